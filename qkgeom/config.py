@@ -1,0 +1,295 @@
+"""Typed, frozen run configuration: defaults, then a TOML file, then ``--set`` overrides.
+
+Every field has a docstring-style comment; unknown keys and wrongly typed values are
+rejected with a one-line :class:`ConfigError` naming the key. Derived values are
+properties, never written back, so ``config.json`` records exactly what was asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+QK_INITS = ("independent", "orthogonal", "tied", "anti_tied")
+INTERVENTIONS = ("none", "hold", "shrink")
+TOKENIZERS = ("char", "byte")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the offending key/value."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    source: str = "wikitext-2"
+    """`wikitext-2`, `wikitext-103`, or a folder holding train.txt, valid.txt, test.txt."""
+    tokenizer: str = "char"
+    """`char` (vocabulary built from the training split) or `byte` (256 ids + unk)."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    n_layers: int = 2
+    """Number of Transformer blocks."""
+    d_model: int = 64
+    """Width of the residual stream."""
+    n_heads: int = 4
+    """Attention heads per layer; must divide d_model."""
+    n_ctx: int = 64
+    """Context length (tokens)."""
+    d_mlp: int = 0
+    """Hidden width of the MLP; 0 means 4 * d_model."""
+    qk_init: str = "independent"
+    """Query/key initialisation: independent, orthogonal, tied, anti_tied (energy-matched)."""
+    init_std: float = 0.02
+    """Standard deviation of the Gaussian initialisation (GPT-2's 0.02)."""
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def d_hidden(self) -> int:
+        return self.d_mlp or 4 * self.d_model
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 200
+    """Number of optimiser steps."""
+    batch_size: int = 16
+    """Sequences per step."""
+    lr: float = 1e-3
+    """Peak learning rate of AdamW."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate of the cosine schedule as a fraction of lr."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay on matrices (not on gains, biases, embeddings)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 0
+    """Seed of the weight initialisation."""
+    data_seed: int = 0
+    """Seed of the data order (separate from the weight seed)."""
+    eval_every: int = 50
+    """Validation loss every this many steps (and at the end)."""
+    eval_batches: int = 4
+    """Validation batches per evaluation (fixed offsets)."""
+    checkpoint_every: int = 50
+    """Write the resume checkpoint every this many steps (and at the end)."""
+    checkpoint_steps: tuple[int, ...] = ()
+    """Steps whose weights are kept permanently under checkpoints/."""
+    device: str = "cpu"
+    """Torch device (`cpu`, `cuda`)."""
+    threads: int = 0
+    """torch intra-op threads; 0 leaves torch's default."""
+
+
+@dataclass(frozen=True)
+class ProbeConfig:
+    every: int = 50
+    """Probe every this many steps after the log-spaced early steps."""
+    log_early: bool = True
+    """Also probe at steps 0, 1, 2, 4, 8, ... below `every`."""
+    n_seqs: int = 8
+    """Sequences in the fixed probe batch (from the validation split)."""
+
+
+@dataclass(frozen=True)
+class InterventionConfig:
+    kind: str = "none"
+    """Key-spectrum control: none, hold, shrink (applied to W_K after every step)."""
+    layers: tuple[int, ...] = ()
+    """Layers controlled; empty means all."""
+    heads: tuple[int, ...] = ()
+    """Heads controlled; empty means all."""
+    target_fraction: float = 0.5
+    """shrink: target weight-PR_K as a fraction of its initial value, in (0, 1]."""
+    reach_fraction: float = 0.5
+    """shrink: fraction of training by which the target is reached (linear schedule)."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    name: str = "run"
+    """Human-readable run name (the run id adds a hash of the config)."""
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    probe: ProbeConfig = field(default_factory=ProbeConfig)
+    intervention: InterventionConfig = field(default_factory=InterventionConfig)
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    """Check (and gently convert) `value` against the annotation `tp`."""
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        (inner, _) = typing.get_args(tp)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config key {key!r} expects a list, got {value!r}")
+        return tuple(_coerce(v, inner, key) for v in value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key {key!r} expects true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"config key {key!r} expects an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise ConfigError(f"config key {key!r} expects a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"config key {key!r} expects a string, got {value!r}")
+    raise ConfigError(f"config key {key!r} has unsupported type {tp}")  # pragma: no cover
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r} must be a table")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ConfigError(f"unknown config key {prefix + unknown[0]!r} (known: {', '.join(sorted(names))})")
+    kwargs = {}
+    for name, value in data.items():
+        tp = hints[name]
+        if dataclasses.is_dataclass(tp):
+            kwargs[name] = _build(tp, value, f"{prefix}{name}.")
+        else:
+            kwargs[name] = _coerce(value, tp, prefix + name)
+    return cls(**kwargs)
+
+
+def from_dict(data: dict[str, Any]) -> RunConfig:
+    """Build and validate a RunConfig from nested plain data (as in config.json or TOML)."""
+    cfg = _build(RunConfig, data)
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """Plain nested dict (tuples as lists) for JSON."""
+    out = dataclasses.asdict(cfg)
+
+    def fix(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: fix(v) for k, v in x.items()}
+        if isinstance(x, tuple):
+            return [fix(v) for v in x]
+        return x
+
+    return fix(out)
+
+
+def _parse_scalar(text: str) -> Any:
+    """Parse an override value with TOML rules; bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b=value`` overrides to nested plain data (a copy is returned)."""
+    import copy
+
+    out = copy.deepcopy(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override key {key!r} does not name a config field")
+        node[parts[-1]] = _parse_scalar(text.strip())
+    return out
+
+
+def load(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
+    """Defaults, then the TOML file at `path`, then `overrides`; validated."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = resolve_preset(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    return from_dict(apply_overrides(data, overrides or []))
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def resolve_preset(path: str | Path) -> Path:
+    """A TOML path, or the name of a preset in the repository's configs/ folder (e.g. `tiny`)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    preset = CONFIG_DIR / f"{path}.toml"
+    if preset.is_file():
+        return preset
+    known = ", ".join(sorted(x.stem for x in CONFIG_DIR.glob("*.toml")))
+    raise ConfigError(f"config {str(path)!r} is neither a file nor a preset (presets: {known})")
+
+
+def validate(cfg: RunConfig) -> None:
+    """Raise ConfigError for values that cannot make a sensible run."""
+    m, t, p, iv = cfg.model, cfg.train, cfg.probe, cfg.intervention
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(cfg.data.tokenizer in TOKENIZERS, f"data.tokenizer must be one of {TOKENIZERS}, got {cfg.data.tokenizer!r}")
+    for k in ("n_layers", "d_model", "n_heads", "n_ctx"):
+        need(getattr(m, k) > 0, f"model.{k} must be positive, got {getattr(m, k)}")
+    need(m.d_model % m.n_heads == 0, f"model.n_heads={m.n_heads} does not divide model.d_model={m.d_model}")
+    need(m.qk_init in QK_INITS, f"model.qk_init must be one of {QK_INITS}, got {m.qk_init!r}")
+    need(
+        m.qk_init != "orthogonal" or 2 * m.d_head <= m.d_model,
+        f"model.qk_init='orthogonal' needs 2*d_head <= d_model, got d_head={m.d_head}, d_model={m.d_model}",
+    )
+    need(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
+    need(m.d_mlp >= 0, f"model.d_mlp must be >= 0, got {m.d_mlp}")
+    need(t.steps > 0, f"train.steps must be positive, got {t.steps}")
+    need(t.batch_size > 0, f"train.batch_size must be positive, got {t.batch_size}")
+    need(t.lr > 0, f"train.lr must be positive, got {t.lr}")
+    need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
+    need(0 <= t.warmup_steps <= t.steps, f"train.warmup_steps must be in [0, steps], got {t.warmup_steps}")
+    need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    need(t.grad_clip >= 0, f"train.grad_clip must be >= 0, got {t.grad_clip}")
+    for k in ("eval_every", "eval_batches", "checkpoint_every"):
+        need(getattr(t, k) > 0, f"train.{k} must be positive, got {getattr(t, k)}")
+    need(all(0 <= s <= t.steps for s in t.checkpoint_steps), f"train.checkpoint_steps must lie in [0, {t.steps}]")
+    need(p.every > 0 and p.n_seqs > 0, "probe.every and probe.n_seqs must be positive")
+    need(iv.kind in INTERVENTIONS, f"intervention.kind must be one of {INTERVENTIONS}, got {iv.kind!r}")
+    bad_layers = [x for x in iv.layers if not 0 <= x < m.n_layers]
+    need(not bad_layers, f"intervention.layers {bad_layers} do not exist (model has {m.n_layers} layers)")
+    bad_heads = [x for x in iv.heads if not 0 <= x < m.n_heads]
+    need(not bad_heads, f"intervention.heads {bad_heads} do not exist (model has {m.n_heads} heads)")
+    need(0 < iv.target_fraction <= 1, f"intervention.target_fraction must be in (0, 1], got {iv.target_fraction}")
+    need(0 < iv.reach_fraction <= 1, f"intervention.reach_fraction must be in (0, 1], got {iv.reach_fraction}")
+
+
+def replace(cfg: Any, **changes: Any) -> Any:
+    """dataclasses.replace re-exported for readability."""
+    return dataclasses.replace(cfg, **changes)
+

@@ -1,0 +1,158 @@
+"""Pure geometry of queries, keys and attention: tensors in, tensors out.
+
+Every function computes in float64 and works on leading batch dimensions, so one call
+covers all heads of a layer. Definitions (MISSION.md):
+
+- participation ratio  PR = (sum l)^2 / sum l^2 of covariance eigenvalues l >= 0;
+  range [1, d]: 1 when one direction carries all variance, d when isotropic in d dims.
+- normalised PR        PR / d, in [1/d, 1].
+- effective rank       exp(H(p)), p = l / sum l, H in nats; range [1, d].
+- stable rank          sum l / max l; range [1, d].
+- attention entropy    H_t = -sum_j p_tj log p_tj (nats) over the k_t keys a query sees;
+  normalised H_t / log k_t, defined for k_t >= 2 (NaN for k_t = 1).
+- interaction rank     PR of the squared singular values of W_Q^h (W_K^h)^T.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+Tensor = torch.Tensor
+
+
+def participation_ratio(eigs: Tensor) -> Tensor:
+    """(sum l)^2 / sum l^2 over the last dim; eigs (..., d) non-negative. NaN if all zero."""
+    e = eigs.to(torch.float64).clamp_min(0)
+    return e.sum(-1) ** 2 / (e**2).sum(-1)
+
+
+def effective_rank(eigs: Tensor) -> Tensor:
+    """exp of the Shannon entropy (nats) of the normalised spectrum l / sum l; (..., d) -> (...)."""
+    e = eigs.to(torch.float64).clamp_min(0)
+    p = e / e.sum(-1, keepdim=True)
+    h = -(torch.where(p > 0, p * torch.log(p), torch.zeros_like(p))).sum(-1)
+    return torch.exp(h)
+
+
+def stable_rank(eigs: Tensor) -> Tensor:
+    """sum l / max l over the last dim; (..., d) -> (...)."""
+    e = eigs.to(torch.float64).clamp_min(0)
+    return e.sum(-1) / e.amax(-1)
+
+
+def spectrum_summary(eigs: Tensor) -> dict[str, Tensor]:
+    """The four dispersion measures of a (batch of) covariance spectra, keyed by metric name."""
+    pr = participation_ratio(eigs)
+    return {
+        "participation_ratio": pr,
+        "normalised_participation_ratio": pr / eigs.shape[-1],
+        "effective_rank": effective_rank(eigs),
+        "stable_rank": stable_rank(eigs),
+    }
+
+
+def covariance_eigenvalues(x: Tensor) -> Tensor:
+    """Eigenvalues (descending, >= 0) of the centered covariance of rows of x; (..., n, d) -> (..., d)."""
+    acc = CovarianceAccumulator()
+    acc.update(x)
+    return acc.eigenvalues()
+
+
+class CovarianceAccumulator:
+    """Streaming mean and centered covariance (float64) of row vectors, merged exactly (Chan et al.).
+
+    ``update(x)`` takes (..., n, d); the leading dims (e.g. heads) must stay the same between
+    calls. Memory is O(d^2) per group, whatever the number of rows seen.
+    """
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.mean: Tensor | None = None
+        self.m2: Tensor | None = None  # sum of centered outer products, (..., d, d)
+
+    def update(self, x: Tensor) -> None:
+        x = x.detach().to(torch.float64)
+        nb = x.shape[-2]
+        if nb == 0:
+            return
+        mb = x.mean(-2)  # (..., d)
+        xc = x - mb.unsqueeze(-2)
+        m2b = xc.transpose(-1, -2) @ xc  # (..., d, d)
+        if self.mean is None:
+            self.n, self.mean, self.m2 = nb, mb, m2b
+            return
+        if self.mean.shape != mb.shape:
+            raise ValueError(f"CovarianceAccumulator got rows of shape {tuple(mb.shape)}, expected {tuple(self.mean.shape)}")
+        n = self.n + nb
+        delta = mb - self.mean  # (..., d)
+        self.m2 = self.m2 + m2b + torch.einsum("...i,...j->...ij", delta, delta) * (self.n * nb / n)
+        self.mean = self.mean + delta * (nb / n)
+        self.n = n
+
+    def covariance(self) -> Tensor:
+        """Centered covariance with 1/n normalisation (the scale cancels in every ratio)."""
+        if self.m2 is None:
+            raise ValueError("CovarianceAccumulator has seen no rows")
+        return self.m2 / self.n
+
+    def eigenvalues(self) -> Tensor:
+        """Descending eigenvalues, clipped at 0 (round-off), (..., d)."""
+        ev = torch.linalg.eigvalsh(self.covariance())
+        return ev.flip(-1).clamp_min(0)
+
+
+def causal_support(n_ctx: int) -> Tensor:
+    """k_t = t + 1 keys visible to query t under a causal mask, (n_ctx,)."""
+    return torch.arange(1, n_ctx + 1)
+
+
+def attention_entropy(pattern: Tensor, support: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Entropy (nats) and normalised entropy of each attention row.
+
+    pattern: (..., T_q, T_k) rows of probabilities. support: (..., T_q) number of keys each
+    row may attend to; default causal (t + 1). Returns (H, H / log k), both (..., T_q);
+    the normalised value is NaN where k < 2.
+    """
+    p = pattern.to(torch.float64)
+    h = -(torch.where(p > 0, p * torch.log(p), torch.zeros_like(p))).sum(-1)
+    if support is None:
+        support = causal_support(p.shape[-2])
+    k = support.to(torch.float64).to(p.device)
+    logk = torch.log(k)
+    norm = torch.where(k >= 2, h / torch.where(k >= 2, logk, torch.ones_like(logk)), torch.full_like(h, math.nan))
+    return h, norm
+
+
+def singular_values(w: Tensor) -> Tensor:
+    """Singular values (descending, float64) of matrices (..., m, n)."""
+    return torch.linalg.svdvals(w.detach().to(torch.float64))
+
+
+def interaction_singular_values(w_q: Tensor, w_k: Tensor) -> Tensor:
+    """Singular values of W_Q W_K^T for W_Q, W_K of shape (..., d_model, d_head) -> (..., d_head).
+
+    Computed through thin QR factors (W = U R), since svd(W_Q W_K^T) = svd(R_Q R_K^T);
+    exact, and d_head x d_head instead of d_model x d_model.
+    """
+    _, r_q = torch.linalg.qr(w_q.detach().to(torch.float64))
+    _, r_k = torch.linalg.qr(w_k.detach().to(torch.float64))
+    return torch.linalg.svdvals(r_q @ r_k.transpose(-1, -2))
+
+
+def interaction_rank(sv: Tensor) -> Tensor:
+    """PR of squared singular values (..., r) -> (...); in [1, r]."""
+    return participation_ratio(sv.to(torch.float64) ** 2)
+
+
+def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
+    """Singular values of the score matrix Q K^T / sqrt(d_head), future entries zeroed if causal.
+
+    q, k: (..., T, d_head) -> (..., T).
+    """
+    q64, k64 = q.detach().to(torch.float64), k.detach().to(torch.float64)
+    scores = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = torch.tril(scores)
+    return torch.linalg.svdvals(scores)

@@ -1,0 +1,236 @@
+"""From a model's queries and keys to tidy geometry rows.
+
+Every model, ours or a Hugging Face one, is reduced to :class:`QKSnapshot` (q, k and
+optionally the attention pattern of each layer for one batch). :class:`GeometryAccumulator`
+streams snapshots (memory independent of the token count) and emits rows
+``(layer, head, site, metric, value)``; ``head = -1`` marks a whole-layer value. Weight-side
+spectra come from :func:`weight_geometry`. Adding a metric = one line here + one glossary entry.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from qkgeom import geometry as G
+
+Tensor = torch.Tensor
+ENTROPY_BINS = 1000  # histogram resolution of normalised entropy, for a streaming median
+
+
+@dataclass
+class QKSnapshot:
+    """Queries, keys (and pattern) of every layer for one batch.
+
+    q[l]: (B, H_q, T, E); k[l]: (B, H_kv, T, E) with H_q a multiple of H_kv (grouped-query
+    attention: query head h reads key head h // (H_q // H_kv)); pattern[l]: (B, H_q, T, T) or None.
+    token_mask: (B, T) True for real tokens (padding excluded from every statistic).
+    """
+
+    q: list[Tensor]
+    k: list[Tensor]
+    pattern: list[Tensor | None]
+    causal: bool = True
+    site: str = "none"
+    token_mask: Tensor | None = None
+
+
+def _rows_of(x: Tensor, mask: Tensor | None) -> Tensor:
+    """(B, H, T, E) -> (H, N, E) rows of real tokens."""
+    x = x.permute(1, 0, 2, 3)  # (H, B, T, E)
+    if mask is None:
+        return x.reshape(x.shape[0], -1, x.shape[-1])
+    return x[:, mask]  # boolean (B, T) mask over dims 1, 2
+
+
+@dataclass
+class _Layer:
+    q_all: G.CovarianceAccumulator = field(default_factory=G.CovarianceAccumulator)
+    k_all: G.CovarianceAccumulator = field(default_factory=G.CovarianceAccumulator)
+    q_head: G.CovarianceAccumulator = field(default_factory=G.CovarianceAccumulator)
+    k_head: G.CovarianceAccumulator = field(default_factory=G.CovarianceAccumulator)
+    ent_sum: Tensor | None = None  # (H,) sums over rows with k >= 2
+    ent_norm_sum: Tensor | None = None
+    ent_n: int = 0
+    ent_hist: Tensor | None = None  # (H, bins) of normalised entropy
+    logit_pr_sum: Tensor | None = None  # (H,)
+    logit_top_sum: Tensor | None = None
+    logit_n: int = 0
+
+
+class GeometryAccumulator:
+    """Streams QKSnapshots; ``rows()`` and ``spectra()`` summarise everything seen."""
+
+    def __init__(self, logit_spectrum: bool = True) -> None:
+        self.layers: list[_Layer] = []
+        self.logit_spectrum = logit_spectrum
+        self.site = "none"
+
+    def update(self, snap: QKSnapshot) -> None:
+        if not self.layers:
+            self.layers = [_Layer() for _ in snap.q]
+        self.site = snap.site
+        mask = snap.token_mask
+        for st, q, k, pat in zip(self.layers, snap.q, snap.k, snap.pattern, strict=True):
+            qr, kr = _rows_of(q, mask), _rows_of(k, mask)  # (H, N, E)
+            st.q_head.update(qr)
+            st.k_head.update(kr)
+            st.q_all.update(qr.permute(1, 0, 2).reshape(qr.shape[1], -1))  # (N, H*E)
+            st.k_all.update(kr.permute(1, 0, 2).reshape(kr.shape[1], -1))
+            if pat is not None:
+                self._update_entropy(st, pat, mask, snap.causal)
+            if self.logit_spectrum and snap.causal and mask is None:
+                self._update_logits(st, q, k)
+
+    @staticmethod
+    def _update_entropy(st: _Layer, pat: Tensor, mask: Tensor | None, causal: bool) -> None:
+        B, H, T, _ = pat.shape
+        if mask is None:
+            mask = torch.ones(B, T, dtype=torch.bool)
+        if causal:
+            support = torch.cumsum(mask.long(), dim=1)  # keys visible to each query
+        else:
+            support = mask.long().sum(1, keepdim=True).expand(B, T)
+        h, hn = G.attention_entropy(pat, support[:, None, :].expand(B, H, T))  # (B, H, T)
+        valid = mask[:, None, :].expand(B, H, T) & (support[:, None, :] >= 2)
+        hv = torch.where(valid, h, 0.0).sum((0, 2))
+        hnv = torch.where(valid, hn, 0.0).sum((0, 2))
+        n = int(valid[:, 0].sum())
+        bins = (hn.clamp(0, 1) * (ENTROPY_BINS - 1)).round().long()
+        hist = torch.zeros(H, ENTROPY_BINS, dtype=torch.float64)
+        for hh in range(H):
+            hist[hh].index_add_(0, bins[:, hh][valid[:, hh]], torch.ones(int(valid[:, hh].sum()), dtype=torch.float64))
+        if st.ent_sum is None:
+            st.ent_sum, st.ent_norm_sum, st.ent_hist = hv, hnv, hist
+        else:
+            st.ent_sum, st.ent_norm_sum, st.ent_hist = st.ent_sum + hv, st.ent_norm_sum + hnv, st.ent_hist + hist
+        st.ent_n += n
+
+    @staticmethod
+    def _update_logits(st: _Layer, q: Tensor, k: Tensor) -> None:
+        group = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)  # each query head with the key head it reads
+        sv = G.logit_singular_values(q, k)  # (B, H, T)
+        pr = G.participation_ratio(sv**2).sum(0)
+        top = sv[..., 0].sum(0)
+        if st.logit_pr_sum is None:
+            st.logit_pr_sum, st.logit_top_sum = pr, top
+        else:
+            st.logit_pr_sum, st.logit_top_sum = st.logit_pr_sum + pr, st.logit_top_sum + top
+        st.logit_n += q.shape[0]
+
+    def rows(self) -> list[dict]:
+        """Tidy rows (layer, head, site, metric, value) for everything streamed so far."""
+        out: list[dict] = []
+
+        def add(layer: int, head: int, metric: str, value: float) -> None:
+            out.append({"layer": layer, "head": head, "site": self.site, "metric": metric, "value": float(value)})
+
+        for li, st in enumerate(self.layers):
+            for side, acc_all, acc_head in (("query", st.q_all, st.q_head), ("key", st.k_all, st.k_head)):
+                for name, v in G.spectrum_summary(acc_all.eigenvalues()).items():
+                    add(li, -1, f"{side}_{name}", v)
+                for name, vals in G.spectrum_summary(acc_head.eigenvalues()).items():
+                    for h, v in enumerate(vals.tolist()):
+                        add(li, h, f"{side}_{name}", v)
+            pr_q = G.participation_ratio(st.q_head.eigenvalues())
+            pr_k = G.participation_ratio(st.k_head.eigenvalues())
+            group = len(pr_q) // len(pr_k)
+            add(li, -1, "participation_ratio_contrast",
+                G.participation_ratio(st.q_all.eigenvalues()) - G.participation_ratio(st.k_all.eigenvalues()))
+            for h in range(len(pr_q)):
+                add(li, h, "participation_ratio_contrast", pr_q[h] - pr_k[h // group])
+            if st.ent_sum is not None and st.ent_n:
+                ent, ent_n = st.ent_sum / st.ent_n, st.ent_norm_sum / st.ent_n
+                med = _hist_median(st.ent_hist)
+                for h in range(len(ent)):
+                    add(li, h, "attention_entropy", ent[h])
+                    add(li, h, "attention_entropy_normalised", ent_n[h])
+                    add(li, h, "attention_entropy_normalised_median", med[h])
+                add(li, -1, "attention_entropy", ent.mean())
+                add(li, -1, "attention_entropy_normalised", ent_n.mean())
+                add(li, -1, "attention_entropy_normalised_median", _hist_median(st.ent_hist.sum(0, keepdim=True))[0])
+            if st.logit_n:
+                pr, top = st.logit_pr_sum / st.logit_n, st.logit_top_sum / st.logit_n
+                for h in range(len(pr)):
+                    add(li, h, "logit_participation_ratio", pr[h])
+                    add(li, h, "logit_spectral_norm", top[h])
+                add(li, -1, "logit_participation_ratio", pr.mean())
+                add(li, -1, "logit_spectral_norm", top.mean())
+        return out
+
+    def spectra(self) -> dict[str, np.ndarray]:
+        """Covariance eigenvalues per layer (L, H*E) and per head (L, H, E)."""
+        return {
+            "query_eigenvalues": np.stack([s.q_all.eigenvalues().numpy() for s in self.layers]),
+            "key_eigenvalues": np.stack([s.k_all.eigenvalues().numpy() for s in self.layers]),
+            "query_head_eigenvalues": np.stack([s.q_head.eigenvalues().numpy() for s in self.layers]),
+            "key_head_eigenvalues": np.stack([s.k_head.eigenvalues().numpy() for s in self.layers]),
+        }
+
+
+def _hist_median(hist: Tensor) -> list[float]:
+    """Median of normalised entropy from (H, bins) counts (resolution 1 / (bins - 1))."""
+    cdf = hist.cumsum(-1) / hist.sum(-1, keepdim=True)
+    idx = (cdf < 0.5).sum(-1)
+    return (idx.double() / (ENTROPY_BINS - 1)).tolist()
+
+
+def weight_geometry(w_q: list[Tensor], w_k: list[Tensor], site: str = "none") -> tuple[list[dict], dict[str, np.ndarray]]:
+    """Weight-side rows and spectra. w_q[l]: (H_q, D, E), w_k[l]: (H_kv, D, E) per layer.
+
+    Rows per head: query/key weight PR (PR of squared singular values of W_Q^h, W_K^h),
+    interaction rank and effective rank of W_Q^h (W_K^h)^T, its spectral norm; and layer means.
+    """
+    rows: list[dict] = []
+    sq, sk, sqk = [], [], []
+    for li, (wq, wk) in enumerate(zip(w_q, w_k, strict=True)):
+        group = wq.shape[0] // wk.shape[0]
+        sv_q, sv_k = G.singular_values(wq), G.singular_values(wk)  # (H, E)
+        sv_qk = G.interaction_singular_values(wq, wk.repeat_interleave(group, dim=0))
+        metrics = {
+            "query_weight_participation_ratio": G.interaction_rank(sv_q),
+            "key_weight_participation_ratio": G.interaction_rank(sv_k),
+            "interaction_rank": G.interaction_rank(sv_qk),
+            "interaction_effective_rank": G.effective_rank(sv_qk**2),
+            "interaction_spectral_norm": sv_qk[:, 0],
+        }
+        for name, vals in metrics.items():
+            for h, v in enumerate(vals.tolist()):
+                rows.append({"layer": li, "head": h, "site": site, "metric": name, "value": float(v)})
+            rows.append({"layer": li, "head": -1, "site": site, "metric": name, "value": float(vals.mean())})
+        sq.append(sv_q.numpy())
+        sk.append(sv_k.numpy())
+        sqk.append(sv_qk.numpy())
+    spectra = {"W_Q_singular_values": np.stack(sq), "W_K_singular_values": np.stack(sk), "W_QK_singular_values": np.stack(sqk)}
+    return rows, spectra
+
+
+def gpt_snapshot(model: torch.nn.Module, idx: Tensor) -> QKSnapshot:
+    """Run our GPT's explicit attention path on idx (B, T) and capture q, k, pattern per layer."""
+    from qkgeom.hooks import capture
+
+    n = len(model.blocks)
+    names = [f"blocks.{i}.attn.hook_{s}" for i in range(n) for s in ("q", "k", "pattern")]
+    with torch.no_grad(), capture(model, names) as store:
+        model(idx, explicit=True)
+    return QKSnapshot(
+        q=[store[f"blocks.{i}.attn.hook_q"] for i in range(n)],
+        k=[store[f"blocks.{i}.attn.hook_k"] for i in range(n)],
+        pattern=[store[f"blocks.{i}.attn.hook_pattern"] for i in range(n)],
+    )
+
+
+def gpt_weights(model: torch.nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """Per-layer (H, D, E) views of W_Q and W_K of our GPT."""
+    return [b.attn.heads(b.attn.W_Q) for b in model.blocks], [b.attn.heads(b.attn.W_K) for b in model.blocks]
+
+
+def probe_gpt(model: torch.nn.Module, idx: Tensor) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """All activation- and weight-side rows and spectra of our GPT on the probe batch."""
+    acc = GeometryAccumulator()
+    acc.update(gpt_snapshot(model, idx))
+    w_rows, w_spectra = weight_geometry(*gpt_weights(model))
+    return acc.rows() + w_rows, {**acc.spectra(), **w_spectra}

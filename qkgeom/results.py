@@ -1,0 +1,151 @@
+"""The only module that knows the disk layout of a run folder.
+
+    <run>/config.json        resolved config + provenance (written first)
+    <run>/vocab.json         the vocabulary built from the training split
+    <run>/metrics.jsonl      one JSON object per line: step, tokens_seen, split, loss, lr, elapsed
+    <run>/geometry.parquet   tidy rows: step, tokens_seen, layer, head, site, metric, value
+    <run>/spectra.npz        per probe: stacked spectra, first axis aligned with `step`
+    <run>/checkpoints/       last.pt (resume) and step_<n>.pt (kept); torch weights-only format
+    <run>/done.json          written last; its presence means the run is complete
+
+Every write is atomic (temp file + rename), so a killed run never leaves a half-written file.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from qkgeom.data import atomic_write_bytes
+
+GEOMETRY_COLUMNS = ["step", "tokens_seen", "layer", "head", "site", "metric", "value"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, truncated or corrupt."""
+
+
+def write_json(path: Path, obj: Any) -> None:
+    atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(Path(path).read_text())
+
+
+def provenance() -> dict[str, Any]:
+    """Where and with what a result was made: git sha, package versions, machine."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        sha, dirty = "", False
+    import qkgeom
+
+    return {
+        "git_sha": sha or None,
+        "git_dirty": dirty,
+        "qkgeom": qkgeom.__version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+class RunDir:
+    """Paths and atomic readers/writers of one run folder."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    config = property(lambda self: self.path / "config.json")
+    vocab = property(lambda self: self.path / "vocab.json")
+    metrics = property(lambda self: self.path / "metrics.jsonl")
+    geometry = property(lambda self: self.path / "geometry.parquet")
+    spectra = property(lambda self: self.path / "spectra.npz")
+    checkpoints = property(lambda self: self.path / "checkpoints")
+    done = property(lambda self: self.path / "done.json")
+    last_checkpoint = property(lambda self: self.checkpoints / "last.pt")
+
+    def is_done(self) -> bool:
+        return self.done.is_file()
+
+    # metrics.jsonl -------------------------------------------------------------------------
+    def append_metrics(self, row: dict[str, Any]) -> None:
+        """One line per call, flushed and fsynced; a torn last line is dropped on read."""
+        with open(self.metrics, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+    def read_metrics(self) -> list[dict[str, Any]]:
+        if not self.metrics.exists():
+            return []
+        rows = []
+        for line in self.metrics.read_text().splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # torn line of a killed run: everything after it is discarded
+        return rows
+
+    def truncate_metrics(self, max_step: int) -> None:
+        """Keep rows with step <= max_step (resume drops what it will recompute)."""
+        rows = [r for r in self.read_metrics() if r["step"] <= max_step]
+        atomic_write_bytes(self.metrics, "".join(json.dumps(r) + "\n" for r in rows).encode())
+
+    # geometry.parquet / spectra.npz ----------------------------------------------------------
+    def write_geometry(self, rows: list[dict[str, Any]]) -> None:
+        df = pd.DataFrame(rows, columns=GEOMETRY_COLUMNS)
+        buf = io.BytesIO()
+        df.to_parquet(buf, index=False)
+        atomic_write_bytes(self.geometry, buf.getvalue())
+
+    def read_geometry(self) -> pd.DataFrame:
+        if not self.geometry.exists():
+            return pd.DataFrame(columns=GEOMETRY_COLUMNS)
+        return pd.read_parquet(self.geometry)
+
+    def write_spectra(self, spectra: dict[str, np.ndarray]) -> None:
+        buf = io.BytesIO()
+        np.savez(buf, **spectra)
+        atomic_write_bytes(self.spectra, buf.getvalue())
+
+    def read_spectra(self) -> dict[str, np.ndarray]:
+        if not self.spectra.exists():
+            return {}
+        with np.load(self.spectra, allow_pickle=False) as z:
+            return {k: z[k] for k in z.files}
+
+    # checkpoints -----------------------------------------------------------------------------
+    def save_checkpoint(self, state: dict[str, Any], name: str = "last.pt") -> Path:
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        path = self.checkpoints / name
+        atomic_write_bytes(path, buf.getvalue())
+        return path
+
+    def load_checkpoint(self, name: str = "last.pt") -> dict[str, Any]:
+        """Load with torch's weights-only unpickler (no arbitrary code); errors name the file."""
+        path = self.checkpoints / name
+        if not path.is_file():
+            raise CheckpointError(f"no checkpoint at {path}")
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises several types for truncated/corrupt zips
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"checkpoint {path} is corrupt or truncated ({first})") from None

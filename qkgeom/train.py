@@ -1,0 +1,193 @@
+"""One training run: AdamW + warm-up/cosine, periodic validation, probes, checkpoints, resume.
+
+The loop is linear and reads top to bottom. At loop index ``step`` (optimiser steps done):
+probe and evaluate if scheduled, write checkpoints if scheduled, stop at the last step, else
+take one optimiser step. A checkpoint at step c therefore follows every record with step <= c,
+so ``--resume`` keeps those records and continues; data order is a pure function of
+(data_seed, step), so the resumed run equals an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from qkgeom import config as C
+from qkgeom import interventions as I
+from qkgeom.data import Vocab, batch_offsets, fixed_offsets, gather, load_corpus
+from qkgeom.model import GPT
+from qkgeom.probe import gpt_weights, probe_gpt
+from qkgeom.results import RunDir, provenance, read_json, write_json
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (a NaN loss, a run folder that is not resumable, ...)."""
+
+
+def run_id(cfg: C.RunConfig) -> str:
+    """Deterministic id: the run name plus a hash of the resolved config."""
+    digest = hashlib.sha256(json.dumps(C.to_dict(cfg), sort_keys=True).encode()).hexdigest()[:10]
+    return f"{cfg.name}-{digest}"
+
+
+def probe_steps(steps: int, every: int, log_early: bool = True) -> list[int]:
+    """0, 1, 2, 4, ... below `every` (if log_early), then multiples of `every`, and the last step."""
+    out = set(range(0, steps + 1, every)) | {steps}
+    if log_early:
+        s = 1
+        out.add(0)
+        while s < min(every, steps):
+            out.add(s)
+            s *= 2
+    return sorted(out)
+
+
+def lr_at(step: int, t: C.TrainConfig) -> float:
+    """Learning rate of the update taken at loop index `step`: linear warm-up, then cosine."""
+    if step < t.warmup_steps:
+        return t.lr * (step + 1) / t.warmup_steps
+    progress = (step - t.warmup_steps) / max(1, t.steps - t.warmup_steps)
+    floor = t.lr * t.min_lr_ratio
+    return floor + 0.5 * (t.lr - floor) * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def make_optimizer(model: torch.nn.Module, t: C.TrainConfig) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not LayerNorm gains/biases), as in nanoGPT."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+
+
+@torch.no_grad()
+def evaluate(model: GPT, data: np.ndarray, t: C.TrainConfig, n_ctx: int, device: str) -> float:
+    """Mean loss over eval_batches fixed batches of the validation split (fused path)."""
+    offsets = fixed_offsets(len(data), n_ctx, t.eval_batches * t.batch_size)
+    losses = []
+    for chunk in np.split(offsets, t.eval_batches):
+        x, y = gather(data, chunk, n_ctx)
+        losses.append(model.loss(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)).item())
+    return float(np.mean(losses))
+
+
+def _prepare(cfg: C.RunConfig, rd: RunDir, resume: bool) -> None:
+    """Refuse to overwrite a run; on resume, check the stored config matches."""
+    if resume:
+        if not rd.config.is_file():
+            raise TrainingError(f"cannot resume: {rd.path} has no config.json")
+        stored = C.from_dict(read_json(rd.config)["config"])
+        if stored != cfg:
+            raise TrainingError(f"cannot resume {rd.path}: its config.json differs from the config given")
+    elif rd.config.exists():
+        raise TrainingError(f"run folder {rd.path} already holds a run; pass --resume to continue it")
+
+
+def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True) -> RunDir:
+    """Train (or resume) one run into `run_dir`; returns its RunDir once done.json is written."""
+    C.validate(cfg)
+    rd = RunDir(run_dir)
+    if rd.is_done():
+        return rd
+    _prepare(cfg, rd, resume)
+    t, m = cfg.train, cfg.model
+    if t.threads:
+        torch.set_num_threads(t.threads)
+    device = t.device
+
+    vocab = Vocab.from_json(rd.vocab.read_text()) if resume else None
+    corpus = load_corpus(cfg.data, vocab)
+    train_data, valid_data = corpus.splits["train"], corpus.splits["valid"]
+    model = GPT(m, corpus.vocab.size, seed=t.seed).to(device)
+    opt = make_optimizer(model, t)
+    control = I.KeyControl.create(cfg.intervention, gpt_weights(model)[1], t.steps)
+    probe_idx = torch.from_numpy(gather(valid_data, fixed_offsets(len(valid_data), m.n_ctx, cfg.probe.n_seqs), m.n_ctx)[0]).to(device)
+    schedule = set(probe_steps(t.steps, cfg.probe.every, cfg.probe.log_early))
+    tokens_per_step = t.batch_size * m.n_ctx
+
+    start, elapsed0, geometry, spectra = 0, 0.0, [], {}
+    if resume and rd.last_checkpoint.exists():
+        state = rd.load_checkpoint()
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        control.load_state_dict(state["control"])
+        start, elapsed0 = int(state["step"]), float(state["elapsed"])
+        rd.truncate_metrics(start)
+        geometry = rd.read_geometry().query("step <= @start").to_dict("records")
+        spectra = rd.read_spectra()
+        keep = spectra.get("step", np.array([])) <= start
+        spectra = {k: list(v[keep]) for k, v in spectra.items()}
+    else:
+        rd.path.mkdir(parents=True, exist_ok=True)
+        rd.metrics.unlink(missing_ok=True)
+        write_json(rd.config, {"run_id": rd.path.name, "config": C.to_dict(cfg), "provenance": provenance(),
+                               "tokens_per_step": tokens_per_step, "vocab_size": corpus.vocab.size,
+                               "data_folder": str(corpus.folder), "probe_steps": sorted(schedule),
+                               "notes": I.notes(cfg.intervention, m.qk_init)})
+        rd.vocab.write_text(corpus.vocab.to_json())
+
+    def record_probe(step: int) -> None:
+        model.eval()
+        rows, spec = probe_gpt(model, probe_idx)
+        rows += control.rows(gpt_weights(model)[1], step)
+        model.train()
+        geometry.extend({"step": step, "tokens_seen": step * tokens_per_step, **r} for r in rows)
+        rd.write_geometry(geometry)
+        for k, v in {"step": np.int64(step), **spec}.items():
+            spectra.setdefault(k, []).append(v)
+        rd.write_spectra({k: np.stack(v) for k, v in spectra.items()})
+
+    def checkpoint(step: int, elapsed: float) -> None:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "control": control.state_dict(),
+                 "step": step, "elapsed": elapsed}
+        if step in t.checkpoint_steps:
+            rd.save_checkpoint(state, f"step_{step}.pt")
+        if step % t.checkpoint_every == 0 or step == t.steps:
+            rd.save_checkpoint(state, "last.pt")
+
+    bar = tqdm(total=t.steps, initial=start, disable=not progress, desc=rd.path.name, unit="step", dynamic_ncols=True)
+    t0 = time.perf_counter()
+
+    def clock() -> float:  # training seconds, summed over resumed segments
+        return elapsed0 + time.perf_counter() - t0
+
+    model.train()
+    step = start
+    while True:
+        if step > start or start == 0:  # records at `start` of a resumed run already exist
+            if step in schedule:
+                record_probe(step)
+            if step % t.eval_every == 0 or step == t.steps:
+                val = evaluate(model, valid_data, t, m.n_ctx, device)
+                rd.append_metrics({"step": step, "tokens_seen": step * tokens_per_step, "split": "valid",
+                                   "loss": val, "elapsed": clock()})
+            checkpoint(step, clock())
+        if step == t.steps:
+            break
+        lr = lr_at(step, t)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        x, y = gather(train_data, batch_offsets(len(train_data), m.n_ctx, t.batch_size, t.data_seed, step), m.n_ctx)
+        loss = model.loss(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
+        if not torch.isfinite(loss):
+            raise TrainingError(f"loss became {loss.item()} at step {step} (lr={lr:.3g}); lower train.lr "
+                                f"(finished records and checkpoints in {rd.path} are kept)")
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+        opt.step()
+        control.apply(gpt_weights(model)[1], step + 1)
+        step += 1
+        rd.append_metrics({"step": step, "tokens_seen": step * tokens_per_step, "split": "train", "loss": loss.item(),
+                           "lr": lr, "grad_norm": float(grad_norm), "elapsed": clock()})
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step * (step - start) / (clock() - elapsed0):.0f}")
+    bar.close()
+    write_json(rd.done, {"step": t.steps, "elapsed": clock(), "final_valid_loss": rd.read_metrics()[-1]["loss"]})
+    return rd
