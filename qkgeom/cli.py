@@ -17,8 +17,14 @@ EXAMPLES = """examples:
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="a TOML file or a preset name from configs/ (tiny, cpu, paper, ...)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field, e.g. --set train.lr=3e-4 (repeatable; values parsed as TOML)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field, e.g. --set train.lr=3e-4 (repeatable; values parsed as TOML)",
+    )
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -40,9 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train one run (probing Q/K geometry along the way)",
-                       description="Train one GPT run: AdamW, warm-up + cosine, validation, log-spaced probes, "
-                                   "checkpoints. Writes a self-describing run folder.")
+    p = sub.add_parser(
+        "train",
+        help="train one run (probing Q/K geometry along the way)",
+        description="Train one GPT run: AdamW, warm-up + cosine, validation, log-spaced probes, "
+        "checkpoints. Writes a self-describing run folder.",
+    )
     _add_config_args(p)
     p.add_argument("--out", help="run folder (default: RUNS/train/<run-id>)")
     p.add_argument("--runs", default="runs", help="root folder of runs (default: runs)")

@@ -292,4 +292,3 @@ def validate(cfg: RunConfig) -> None:
 def replace(cfg: Any, **changes: Any) -> Any:
     """dataclasses.replace re-exported for readability."""
     return dataclasses.replace(cfg, **changes)
-

@@ -14,7 +14,6 @@ import http.client
 import json
 import os
 import shutil
-import socket
 import tempfile
 import time
 import urllib.error
@@ -68,7 +67,9 @@ def file_digest(path: Path, algo: str = "sha256") -> str:
     return h.hexdigest()
 
 
-def download(url: str, dest: Path, checksum: str, retries: int = 5, timeout: float = 30.0, backoff: float = 1.0) -> Path:
+def download(
+    url: str, dest: Path, checksum: str, retries: int = 5, timeout: float = 30.0, backoff: float = 1.0
+) -> Path:
     """Download `url` to `dest`, resuming a partial ``.part`` file with HTTP Range requests.
 
     `checksum` is ``"sha256:<hex>"`` (or ``"md5:<hex>"`` where only that is published); a
@@ -102,7 +103,7 @@ def download(url: str, dest: Path, checksum: str, retries: int = 5, timeout: flo
             if 400 <= e.code < 500:
                 raise DataError(f"download of {url} failed: HTTP {e.code} {e.reason}") from None
             last = e
-        except (urllib.error.URLError, http.client.HTTPException, socket.timeout, ConnectionError, OSError) as e:
+        except (TimeoutError, urllib.error.URLError, http.client.HTTPException, ConnectionError, OSError) as e:
             last = e
     else:
         raise DataError(

@@ -78,8 +78,11 @@ def with_singular_values(w: Tensor, new_sv_fn) -> Tensor:
 def notes(cfg: InterventionConfig, qk_init: str) -> list[str]:
     """Plain-language notes on what the control does to this run, stored in config.json."""
     if cfg.kind != "none" and qk_init in ("tied", "anti_tied"):
-        return [f"intervention '{cfg.kind}' acts on W_K only: the {qk_init} init's W_K = {'' if qk_init == 'tied' else '-'}W_Q "
-                "holds at step 0 and is broken from the first controlled step on"]
+        sign = "" if qk_init == "tied" else "-"
+        return [
+            f"intervention '{cfg.kind}' acts on W_K only: the {qk_init} init's W_K = {sign}W_Q "
+            "holds at step 0 and is broken from the first controlled step on"
+        ]
     return []
 
 
@@ -130,9 +133,15 @@ class KeyControl:
     def rows(self, w_k: list[Tensor], step: int) -> list[dict]:
         """Target weight-PR_K rows of the controlled heads, next to the achieved value."""
         return [
-            {"layer": li, "head": h, "site": "none", "metric": "key_weight_participation_ratio_target",
-             "value": self.target_pr(li, h, step)}
-            for li, heads in self.targets.items() for h in heads
+            {
+                "layer": li,
+                "head": h,
+                "site": "none",
+                "metric": "key_weight_participation_ratio_target",
+                "value": self.target_pr(li, h, step),
+            }
+            for li, heads in self.targets.items()
+            for h in heads
         ]
 
     def state_dict(self) -> dict:

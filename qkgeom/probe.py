@@ -138,8 +138,12 @@ class GeometryAccumulator:
             pr_q = G.participation_ratio(st.q_head.eigenvalues())
             pr_k = G.participation_ratio(st.k_head.eigenvalues())
             group = len(pr_q) // len(pr_k)
-            add(li, -1, "participation_ratio_contrast",
-                G.participation_ratio(st.q_all.eigenvalues()) - G.participation_ratio(st.k_all.eigenvalues()))
+            add(
+                li,
+                -1,
+                "participation_ratio_contrast",
+                G.participation_ratio(st.q_all.eigenvalues()) - G.participation_ratio(st.k_all.eigenvalues()),
+            )
             for h in range(len(pr_q)):
                 add(li, h, "participation_ratio_contrast", pr_q[h] - pr_k[h // group])
             if st.ent_sum is not None and st.ent_n:
@@ -178,7 +182,9 @@ def _hist_median(hist: Tensor) -> list[float]:
     return (idx.double() / (ENTROPY_BINS - 1)).tolist()
 
 
-def weight_geometry(w_q: list[Tensor], w_k: list[Tensor], site: str = "none") -> tuple[list[dict], dict[str, np.ndarray]]:
+def weight_geometry(
+    w_q: list[Tensor], w_k: list[Tensor], site: str = "none"
+) -> tuple[list[dict], dict[str, np.ndarray]]:
     """Weight-side rows and spectra. w_q[l]: (H_q, D, E), w_k[l]: (H_kv, D, E) per layer.
 
     Rows per head: query/key weight PR (PR of squared singular values of W_Q^h, W_K^h),
@@ -204,7 +210,11 @@ def weight_geometry(w_q: list[Tensor], w_k: list[Tensor], site: str = "none") ->
         sq.append(sv_q.numpy())
         sk.append(sv_k.numpy())
         sqk.append(sv_qk.numpy())
-    spectra = {"W_Q_singular_values": np.stack(sq), "W_K_singular_values": np.stack(sk), "W_QK_singular_values": np.stack(sqk)}
+    spectra = {
+        "W_Q_singular_values": np.stack(sq),
+        "W_K_singular_values": np.stack(sk),
+        "W_QK_singular_values": np.stack(sqk),
+    }
     return rows, spectra
 
 

@@ -46,8 +46,14 @@ def provenance() -> dict[str, Any]:
     """Where and with what a result was made: git sha, package versions, machine."""
     root = Path(__file__).resolve().parent.parent
     try:
-        sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10).stdout.strip())
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = bool(
+            subprocess.run(
+                ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        )
     except (OSError, subprocess.SubprocessError):
         sha, dirty = "", False
     import qkgeom
@@ -86,11 +92,9 @@ class RunDir:
 
     # metrics.jsonl -------------------------------------------------------------------------
     def append_metrics(self, row: dict[str, Any]) -> None:
-        """One line per call, flushed and fsynced; a torn last line is dropped on read."""
+        """One line per call (flushed: a killed process loses nothing; a torn last line is dropped on read)."""
         with open(self.metrics, "a") as f:
             f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
 
     def read_metrics(self) -> list[dict[str, Any]]:
         if not self.metrics.exists():

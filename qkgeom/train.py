@@ -107,7 +107,9 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
     model = GPT(m, corpus.vocab.size, seed=t.seed).to(device)
     opt = make_optimizer(model, t)
     control = I.KeyControl.create(cfg.intervention, gpt_weights(model)[1], t.steps)
-    probe_idx = torch.from_numpy(gather(valid_data, fixed_offsets(len(valid_data), m.n_ctx, cfg.probe.n_seqs), m.n_ctx)[0]).to(device)
+    probe_idx = torch.from_numpy(
+        gather(valid_data, fixed_offsets(len(valid_data), m.n_ctx, cfg.probe.n_seqs), m.n_ctx)[0]
+    ).to(device)
     schedule = set(probe_steps(t.steps, cfg.probe.every, cfg.probe.log_early))
     tokens_per_step = t.batch_size * m.n_ctx
 
@@ -126,13 +128,35 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
     else:
         rd.path.mkdir(parents=True, exist_ok=True)
         rd.metrics.unlink(missing_ok=True)
-        write_json(rd.config, {"run_id": rd.path.name, "config": C.to_dict(cfg), "provenance": provenance(),
-                               "tokens_per_step": tokens_per_step, "vocab_size": corpus.vocab.size,
-                               "data_folder": str(corpus.folder), "probe_steps": sorted(schedule),
-                               "notes": I.notes(cfg.intervention, m.qk_init)})
+        write_json(
+            rd.config,
+            {
+                "run_id": rd.path.name,
+                "config": C.to_dict(cfg),
+                "provenance": provenance(),
+                "tokens_per_step": tokens_per_step,
+                "vocab_size": corpus.vocab.size,
+                "data_folder": str(corpus.folder),
+                "probe_steps": sorted(schedule),
+                "notes": I.notes(cfg.intervention, m.qk_init),
+            },
+        )
         rd.vocab.write_text(corpus.vocab.to_json())
 
+    def check_finite(step: int) -> None:
+        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:
+            raise TrainingError(
+                f"weights became non-finite at step {step} ({bad[0]}, ...); lower train.lr "
+                f"(finished records and checkpoints in {rd.path} are kept)"
+            )
+
+    probe_seconds = 0.0  # this process's time in probes (reported in done.json)
+
     def record_probe(step: int) -> None:
+        nonlocal probe_seconds
+        tic = time.perf_counter()
+        check_finite(step)
         model.eval()
         rows, spec = probe_gpt(model, probe_idx)
         rows += control.rows(gpt_weights(model)[1], step)
@@ -142,10 +166,19 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
         for k, v in {"step": np.int64(step), **spec}.items():
             spectra.setdefault(k, []).append(v)
         rd.write_spectra({k: np.stack(v) for k, v in spectra.items()})
+        probe_seconds += time.perf_counter() - tic
 
     def checkpoint(step: int, elapsed: float) -> None:
-        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "control": control.state_dict(),
-                 "step": step, "elapsed": elapsed}
+        if step not in t.checkpoint_steps and step % t.checkpoint_every and step != t.steps:
+            return
+        check_finite(step)  # never let a diverged state overwrite the last good checkpoint
+        state = {
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "control": control.state_dict(),
+            "step": step,
+            "elapsed": elapsed,
+        }
         if step in t.checkpoint_steps:
             rd.save_checkpoint(state, f"step_{step}.pt")
         if step % t.checkpoint_every == 0 or step == t.steps:
@@ -164,9 +197,17 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
             if step in schedule:
                 record_probe(step)
             if step % t.eval_every == 0 or step == t.steps:
+                check_finite(step)
                 val = evaluate(model, valid_data, t, m.n_ctx, device)
-                rd.append_metrics({"step": step, "tokens_seen": step * tokens_per_step, "split": "valid",
-                                   "loss": val, "elapsed": clock()})
+                rd.append_metrics(
+                    {
+                        "step": step,
+                        "tokens_seen": step * tokens_per_step,
+                        "split": "valid",
+                        "loss": val,
+                        "elapsed": clock(),
+                    }
+                )
             checkpoint(step, clock())
         if step == t.steps:
             break
@@ -176,18 +217,32 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
         x, y = gather(train_data, batch_offsets(len(train_data), m.n_ctx, t.batch_size, t.data_seed, step), m.n_ctx)
         loss = model.loss(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
         if not torch.isfinite(loss):
-            raise TrainingError(f"loss became {loss.item()} at step {step} (lr={lr:.3g}); lower train.lr "
-                                f"(finished records and checkpoints in {rd.path} are kept)")
+            raise TrainingError(
+                f"loss became {loss.item()} at step {step} (lr={lr:.3g}); lower train.lr "
+                f"(finished records and checkpoints in {rd.path} are kept)"
+            )
         opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
         opt.step()
         control.apply(gpt_weights(model)[1], step + 1)
         step += 1
-        rd.append_metrics({"step": step, "tokens_seen": step * tokens_per_step, "split": "train", "loss": loss.item(),
-                           "lr": lr, "grad_norm": float(grad_norm), "elapsed": clock()})
+        rd.append_metrics(
+            {
+                "step": step,
+                "tokens_seen": step * tokens_per_step,
+                "split": "train",
+                "loss": loss.item(),
+                "lr": lr,
+                "grad_norm": float(grad_norm),
+                "elapsed": clock(),
+            }
+        )
         bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step * (step - start) / (clock() - elapsed0):.0f}")
+        bar.set_postfix(
+            loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step * (step - start) / (clock() - elapsed0):.0f}"
+        )
     bar.close()
-    write_json(rd.done, {"step": t.steps, "elapsed": clock(), "final_valid_loss": rd.read_metrics()[-1]["loss"]})
+    write_json(rd.done, {"step": t.steps, "elapsed": clock(), "final_valid_loss": rd.read_metrics()[-1]["loss"],
+                         "probe_seconds_last_segment": probe_seconds, "segment_seconds": clock() - elapsed0})
     return rd

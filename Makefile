@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine: `make study` (the main job) and `make test`.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Real WikiText-2 text used by tests, benchmarks and presets (see ../shared/data/wikitext/README.md).
+export QKGEOM_WIKITEXT_DIR ?= $(abspath ../shared/data/wikitext)
+
+.PHONY: setup test lint study bench
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0   # the CPU build; an unpinned torch pulls CUDA
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+lint: setup
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+test: lint
+	$(PY) -m pytest -q
+
+study: setup
+	$(VENV)/bin/qkgeom study smoke
+
+bench: setup
+	$(PY) bench/train_throughput.py

@@ -1,0 +1,97 @@
+"""probe: snapshot -> rows, against constructions with known answers."""
+
+import math
+
+import pytest
+import torch
+
+from qkgeom.probe import GeometryAccumulator, QKSnapshot, weight_geometry
+
+
+def rows_to_dict(rows):
+    return {(r["layer"], r["head"], r["metric"]): r["value"] for r in rows}
+
+
+def iso_heads(B, H, T, E, scale=1.0):
+    return torch.randn(B, H, T, E, dtype=torch.float64) * scale
+
+
+def test_known_pr_and_contrast_per_head_and_layer():
+    torch.manual_seed(0)
+    B, H, T, E = 4, 2, 64, 4
+    q = iso_heads(B, H, T, E)  # isotropic: PR ~ E per head, ~H*E per layer
+    k = torch.randn(B, H, T, 1, dtype=torch.float64) * torch.ones(E, dtype=torch.float64)  # rank one per head
+    uniform = torch.tril(torch.ones(T, T))
+    uniform = (uniform / uniform.sum(-1, keepdim=True)).expand(B, H, T, T)
+    acc = GeometryAccumulator()
+    acc.update(QKSnapshot(q=[q], k=[k], pattern=[uniform]))
+    r = rows_to_dict(acc.rows())
+    assert r[(0, 0, "key_participation_ratio")] == pytest.approx(1.0)
+    assert r[(0, -1, "key_participation_ratio")] == pytest.approx(2.0, rel=0.1)  # two independent rank-one heads
+    assert r[(0, 0, "query_participation_ratio")] == pytest.approx(E, rel=0.1)
+    assert r[(0, 1, "participation_ratio_contrast")] == pytest.approx(
+        r[(0, 1, "query_participation_ratio")] - r[(0, 1, "key_participation_ratio")]
+    )
+    # uniform causal attention: entropy log k per row; normalised 1
+    expected = sum(math.log(t) for t in range(2, T + 1)) / (T - 1)
+    assert r[(0, 0, "attention_entropy")] == pytest.approx(expected)
+    assert r[(0, 0, "attention_entropy_normalised")] == pytest.approx(1.0)
+    assert r[(0, 0, "attention_entropy_normalised_median")] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_streaming_two_batches_equals_one():
+    torch.manual_seed(1)
+    q, k = iso_heads(6, 2, 8, 3), iso_heads(6, 2, 8, 3)
+    pat = torch.softmax(torch.randn(6, 2, 8, 8).masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), -1e9), -1)
+    one, two = GeometryAccumulator(), GeometryAccumulator()
+    one.update(QKSnapshot([q], [k], [pat]))
+    two.update(QKSnapshot([q[:2]], [k[:2]], [pat[:2]]))
+    two.update(QKSnapshot([q[2:]], [k[2:]], [pat[2:]]))
+    a, b = rows_to_dict(one.rows()), rows_to_dict(two.rows())
+    assert a.keys() == b.keys()
+    for key in a:
+        if "median" in key[2]:
+            continue
+        assert a[key] == pytest.approx(b[key], rel=1e-9), key
+
+
+def test_grouped_query_pairs_query_heads_with_their_key_head():
+    torch.manual_seed(2)
+    q = iso_heads(2, 4, 32, 4)
+    k = torch.cat([iso_heads(2, 1, 32, 4), torch.randn(2, 1, 32, 1, dtype=torch.float64).expand(2, 1, 32, 4)], 1)
+    acc = GeometryAccumulator()
+    acc.update(QKSnapshot([q], [k], [None]))
+    r = rows_to_dict(acc.rows())
+    assert r[(0, 1, "key_participation_ratio")] == pytest.approx(1.0)
+    for h in range(4):  # heads 0,1 read key head 0; heads 2,3 read key head 1
+        kv = h // 2
+        assert r[(0, h, "participation_ratio_contrast")] == pytest.approx(
+            r[(0, h, "query_participation_ratio")] - r[(0, kv, "key_participation_ratio")]
+        )
+
+
+def test_padding_mask_excludes_tokens():
+    torch.manual_seed(3)
+    q, k = iso_heads(2, 1, 10, 3), iso_heads(2, 1, 10, 3)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, 6:] = False
+    garbage_q = q.clone()
+    garbage_q[1, :, 6:] = 1e6  # must not matter
+    a, b = GeometryAccumulator(), GeometryAccumulator()
+    a.update(QKSnapshot([garbage_q], [k], [None], token_mask=mask))
+    b.update(QKSnapshot([q[:1]], [k[:1]], [None]))
+    b.update(QKSnapshot([q[1:, :, :6]], [k[1:, :, :6]], [None]))
+    ra, rb = rows_to_dict(a.rows()), rows_to_dict(b.rows())
+    assert ra[(0, 0, "query_participation_ratio")] == pytest.approx(rb[(0, 0, "query_participation_ratio")])
+
+
+def test_weight_geometry_orthogonal_heads():
+    basis, _ = torch.linalg.qr(torch.randn(16, 8, dtype=torch.float64))
+    wq = basis[:, :4].unsqueeze(0)  # (1, 16, 4), singular values all 1 -> PR 4
+    wk = 2 * basis[:, :4].unsqueeze(0)
+    rows, spectra = weight_geometry([wq], [wk])
+    r = rows_to_dict(rows)
+    assert r[(0, 0, "query_weight_participation_ratio")] == pytest.approx(4.0)
+    assert r[(0, 0, "interaction_rank")] == pytest.approx(4.0)
+    assert r[(0, 0, "interaction_spectral_norm")] == pytest.approx(2.0)
+    assert spectra["W_QK_singular_values"].shape == (1, 1, 4)

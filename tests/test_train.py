@@ -1,0 +1,138 @@
+"""train: end-to-end runs on real WikiText-2, determinism, kill-and-resume, bad input via the CLI."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from qkgeom.results import RunDir
+from qkgeom.train import lr_at, probe_steps, train
+from tests.conftest import REPO, tiny_config
+
+pytestmark = pytest.mark.usefixtures("wikitext")
+
+
+def losses(rd: RunDir):
+    return [(r["step"], r["split"], r["loss"]) for r in rd.read_metrics()]
+
+
+def test_schedule_helpers():
+    assert probe_steps(100, 25) == [0, 1, 2, 4, 8, 16, 25, 50, 75, 100]
+    assert probe_steps(30, 25, log_early=False) == [0, 25, 30]
+    t = tiny_config(train={"steps": 100, "warmup_steps": 10, "lr": 1.0, "min_lr_ratio": 0.1}).train
+    assert lr_at(0, t) == pytest.approx(0.1) and lr_at(9, t) == pytest.approx(1.0)
+    assert lr_at(10, t) == pytest.approx(1.0) and lr_at(100, t) == pytest.approx(0.1)
+    assert lr_at(55, t) == pytest.approx(0.55)
+
+
+def test_run_folder_is_complete_and_deterministic(tmp_path):
+    cfg = tiny_config(train={"steps": 20, "checkpoint_steps": [10]})
+    a, b = train(cfg, tmp_path / "a", progress=False), train(cfg, tmp_path / "b", progress=False)
+    for name in ("config.json", "vocab.json", "metrics.jsonl", "geometry.parquet", "spectra.npz", "done.json"):
+        assert (a.path / name).is_file(), name
+    assert (a.path / "checkpoints" / "step_10.pt").is_file()
+    assert losses(a) == losses(b)
+    ga, gb = a.read_geometry(), b.read_geometry()
+    pd.testing.assert_frame_equal(ga, gb)
+    assert sorted(ga.step.unique()) == probe_steps(20, 10)
+    cfg_json = json.loads(a.config.read_text())
+    assert cfg_json["config"]["train"]["steps"] == 20 and "git_sha" in cfg_json["provenance"]
+    first, last = losses(a)[0], [x for x in losses(a) if x[1] == "valid"][-1]
+    assert last[2] < first[2]  # it learns
+    c = train(tiny_config(train={"steps": 20, "seed": 1}), tmp_path / "c", progress=False)
+    assert losses(c) != losses(a)
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "qkgeom.cli", *args], capture_output=True, text=True, cwd=REPO, **kw)
+
+
+@pytest.mark.slow
+def test_killed_run_resumes_to_identical_result(tmp_path):
+    args = [
+        "train",
+        "tiny",
+        "--no-progress",
+        "--set",
+        "train.steps=150",
+        "--set",
+        "train.checkpoint_every=10",
+        "--set",
+        "probe.every=20",
+        "--set",
+        "train.eval_every=30",
+    ]
+    full = cli(*args, "--out", str(tmp_path / "full"))
+    assert full.returncode == 0, full.stderr
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "qkgeom.cli", *args, "--out", str(out)],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        rows = RunDir(out).read_metrics()
+        if rows and rows[-1]["step"] >= 47:  # past a checkpoint, mid-way between two
+            break
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (out / "done.json").exists(), "run finished before it could be killed"
+    resumed = cli(*args, "--out", str(out), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    a, b = RunDir(tmp_path / "full"), RunDir(out)
+    assert losses(a) == losses(b)
+    ga, gb = a.read_geometry(), b.read_geometry()
+    pd.testing.assert_frame_equal(ga.reset_index(drop=True), gb.reset_index(drop=True))
+    sa, sb = a.read_spectra(), b.read_spectra()
+    assert all(np.array_equal(sa[k], sb[k]) for k in sa)
+
+
+def test_corrupt_checkpoint_gives_one_line_error(tmp_path):
+    out = tmp_path / "r"
+    assert cli("train", "tiny", "--no-progress", "--set", "train.steps=10", "--out", str(out)).returncode == 0
+    (out / "done.json").unlink()
+    ckpt = out / "checkpoints" / "last.pt"
+    ckpt.write_bytes(ckpt.read_bytes()[:1000])  # truncated
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    r = cli("train", "tiny", "--no-progress", "--set", "train.steps=10", "--out", str(out), "--resume")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "corrupt or truncated" in r.stderr and "last.pt" in r.stderr
+    assert before == {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}  # nothing lost
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--set", "data.source=/no/such/folder"], "neither a folder"),
+        (["--set", "model.dropout=0.1"], "unknown config key 'model.dropout'"),
+        (["--set", "model.n_layers=1.5"], "expects an integer"),
+        (["--set", "model.n_heads=3"], "does not divide"),
+        (["--set", "train.lr=-1"], "train.lr must be positive"),
+        (["--set", "train.lr=1e6"], "non-finite"),
+    ],
+)
+def test_bad_input_one_line_nonzero(tmp_path, extra, message):
+    out = tmp_path / "r"
+    r = cli("train", "tiny", "--no-progress", "--set", "train.steps=10", "--out", str(out), *extra)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and r.stderr.strip().count("\n") == 0, r.stderr
+    assert not (out / "done.json").exists()
+
+
+def test_existing_run_is_not_overwritten(tmp_path):
+    out = tmp_path / "r"
+    train(tiny_config(train={"steps": 5}), out, progress=False)
+    (out / "done.json").unlink()
+    before = (out / "metrics.jsonl").read_bytes()
+    r = cli("train", "tiny", "--no-progress", "--set", "train.steps=5", "--out", str(out))
+    assert r.returncode == 2 and "--resume" in r.stderr
+    assert (out / "metrics.jsonl").read_bytes() == before
