@@ -69,12 +69,6 @@ def shrink_target(pr0: float, step: int, total_steps: int, fraction: float, reac
     return pr0 * (1 - (1 - fraction) * progress)
 
 
-def with_singular_values(w: Tensor, new_sv_fn) -> Tensor:
-    """Replace the singular values of matrices w (..., D, E) by new_sv_fn(s); float64 inside."""
-    u, s, vh = torch.linalg.svd(w.to(torch.float64), full_matrices=False)
-    return (u * new_sv_fn(s).unsqueeze(-2)) @ vh
-
-
 def notes(cfg: InterventionConfig, qk_init: str) -> list[str]:
     """Plain-language notes on what the control does to this run, stored in config.json."""
     if cfg.kind != "none" and qk_init in ("tied", "anti_tied"):
@@ -122,13 +116,14 @@ class KeyControl:
         """Overwrite the controlled heads of each layer's W_K after optimiser step `step`."""
         for li, heads in self.targets.items():
             w = w_k[li]  # (H, D, E) view of the parameter
-            for h in heads:
-                if self.cfg.kind == "hold":
-                    new = with_singular_values(w[h], lambda s, h=h: hold_profile(s, self.sv0[li][h]))
-                else:
-                    target = self.target_pr(li, h, step)
-                    new = with_singular_values(w[h], lambda s, t=target: profile_with_pr(s, t))
-                w[h].copy_(new.to(w.dtype))
+            u, s, vh = torch.linalg.svd(w[heads].to(torch.float64), full_matrices=False)  # one batched SVD
+            if self.cfg.kind == "hold":
+                s_new = hold_profile(s, self.sv0[li][heads])
+            else:
+                s_new = torch.stack([profile_with_pr(s[i], self.target_pr(li, h, step)) for i, h in enumerate(heads)])
+            new = (u * s_new.unsqueeze(-2)) @ vh
+            for i, h in enumerate(heads):
+                w[h].copy_(new[i].to(w.dtype))
 
     def rows(self, w_k: list[Tensor], step: int) -> list[dict]:
         """Target weight-PR_K rows of the controlled heads, next to the achieved value."""
