@@ -12,6 +12,7 @@ EXAMPLES = """examples:
   qkgeom train tiny                                  train the tiny preset into runs/train/<run-id>
   qkgeom train configs/cpu.toml --set model.n_layers=6 --set train.seed=1
   qkgeom train tiny --out runs/x --resume            continue a killed run from its last checkpoint
+  qkgeom sweep smoke --dry-run                       list the 36 runs of the smoke study
 """
 
 
@@ -37,6 +38,47 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace):
+    from qkgeom.sweep import expand, load_sweep, run_sweep
+
+    spec = load_sweep(args.sweep, args.overrides)
+    out = Path(args.out) if args.out else Path(args.runs) / spec.name
+    if args.dry_run:
+        runs = expand(spec)
+        print(f"{len(runs)} runs -> {out}")
+        for r in runs:
+            state = "done" if (out / r.run_id / "done.json").exists() else "todo"
+            print(f"  [{state}] {r.run_id}  " + " ".join(f"{k}={v}" for k, v in r.overrides.items()))
+        return spec, out, None
+    res = run_sweep(spec, out, workers=args.workers, progress=not args.no_progress,
+                    executor=args.executor, address=args.address)
+    print(f"sweep {spec.name}: {len(res.done)} trained, {len(res.skipped)} already done, "
+          f"{len(res.failed)} failed in {res.seconds:.0f} s -> {out}")
+    for rid, err in res.failed.items():
+        print(f"  FAILED {rid}: {err}", file=sys.stderr)
+    return spec, out, res
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    _, _, res = _sweep(args)
+    return 1 if res is not None and res.failed else 0
+
+
+def _add_sweep_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("sweep", help="a sweep TOML file or a study preset (smoke, cpu, paper, intervention-smoke, ...)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field in every run, e.g. --set train.steps=50 (repeatable)")
+    p.add_argument("--out", help="sweep folder (default: RUNS/<sweep name>)")
+    p.add_argument("--runs", default="runs", help="root folder of runs (default: runs)")
+    p.add_argument("--workers", type=int, default=0,
+                   help="parallel runs (default: one per CPU core; each gets cores/workers torch threads)")
+    p.add_argument("--executor", choices=["local", "ray"], default="local",
+                   help="local process pool (default) or a Ray cluster (pip install qkgeom[ray])")
+    p.add_argument("--address", help="Ray cluster address (default: start or join a local instance)")
+    p.add_argument("--dry-run", action="store_true", help="list the runs (and which are done) without running")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qkgeom",
@@ -58,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_train)
+
+    p = sub.add_parser("sweep", help="run a grid of training runs in a local worker pool",
+                       description="Expand a sweep file's grid into deterministic runs, write sweep.json, and train "
+                                   "every unfinished run in parallel. Finished runs are skipped; partial ones resume; "
+                                   "a failing run is recorded (error.json) without stopping the others.")
+    _add_sweep_args(p)
+    p.set_defaults(fn=cmd_sweep)
     return parser
 
 
@@ -65,11 +114,12 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from qkgeom.data import DataError
     from qkgeom.results import CheckpointError
+    from qkgeom.sweep import SweepError
     from qkgeom.train import TrainingError
 
     try:
         return args.fn(args)
-    except (C.ConfigError, DataError, CheckpointError, TrainingError, ValueError, FileNotFoundError) as e:
+    except (C.ConfigError, SweepError, DataError, CheckpointError, TrainingError, ValueError, FileNotFoundError) as e:
         print(f"qkgeom {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

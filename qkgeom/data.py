@@ -41,6 +41,16 @@ class DataError(RuntimeError):
     """A corpus that cannot be found, downloaded or read; the message says what to do."""
 
 
+def wikitext_mirror() -> Path:
+    """Local WikiText mirror: $QKGEOM_WIKITEXT_DIR, default ../shared/data/wikitext beside the checkout.
+
+    It holds one folder per corpus name (wikitext-2/{train,valid,test}.txt). Tests, benchmarks
+    and CI read the real text through this one setting.
+    """
+    default = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext"
+    return Path(os.environ.get("QKGEOM_WIKITEXT_DIR", default))
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("QKGEOM_CACHE", Path.home() / ".cache" / "qkgeom"))
 
@@ -96,18 +106,22 @@ def download(
             got = part.stat().st_size
             if total is not None and got < total:
                 raise http.client.IncompleteRead(b"", total - got)
+            last = None
             break
         except urllib.error.HTTPError as e:
             if e.code == 416 and have:  # already complete
+                last = None
                 break
             if 400 <= e.code < 500:
                 raise DataError(f"download of {url} failed: HTTP {e.code} {e.reason}") from None
             last = e
         except (TimeoutError, urllib.error.URLError, http.client.HTTPException, ConnectionError, OSError) as e:
             last = e
-    else:
+            if isinstance(getattr(e, "reason", None), socket.gaierror):
+                break  # the host name does not resolve: offline, and retrying will not help
+    if last is not None:
         raise DataError(
-            f"could not download {url} after {retries + 1} tries ({last}); if offline, put train.txt, "
+            f"could not download {url} ({last}); if offline, put train.txt, "
             "valid.txt and test.txt in a folder and set data.source to that folder"
         )
     actual = file_digest(part, algo)
@@ -144,8 +158,8 @@ def resolve_source(source: str) -> Path:
         if not p.is_dir():
             raise DataError(f"data source {source!r} is neither a folder nor one of {', '.join(WIKITEXT)}")
     else:
-        mirror = os.environ.get("QKGEOM_WIKITEXT_DIR")
-        p = Path(mirror) / source if mirror and (Path(mirror) / source).is_dir() else fetch_wikitext(source)
+        mirror = wikitext_mirror() / source
+        p = mirror if mirror.is_dir() else fetch_wikitext(source)
     for split in SPLITS:
         f = p / f"{split}.txt"
         if not f.is_file():

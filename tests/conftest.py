@@ -7,24 +7,21 @@ from pathlib import Path
 
 import pytest
 
+from qkgeom.data import wikitext_mirror
+
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_WIKITEXT = REPO.parent / "shared" / "data" / "wikitext"
-
-
-def wikitext_dir() -> Path:
-    return Path(os.environ.get("QKGEOM_WIKITEXT_DIR", DEFAULT_WIKITEXT))
 
 
 @pytest.fixture(scope="session", autouse=True)
 def _env(tmp_path_factory: pytest.TempPathFactory) -> None:
-    os.environ.setdefault("QKGEOM_WIKITEXT_DIR", str(DEFAULT_WIKITEXT))
+    os.environ["QKGEOM_WIKITEXT_DIR"] = str(wikitext_mirror())  # subprocesses see the same setting
     os.environ["QKGEOM_CACHE"] = str(tmp_path_factory.mktemp("cache"))
 
 
 @pytest.fixture(scope="session")
 def wikitext() -> Path:
     """Folder holding wikitext-2/{train,valid,test}.txt; a failure under CI, a skip elsewhere."""
-    root = wikitext_dir()
+    root = wikitext_mirror()
     if not (root / "wikitext-2" / "train.txt").is_file():
         msg = f"WikiText-2 mirror not found at {root} (set QKGEOM_WIKITEXT_DIR)"
         if os.environ.get("CI"):

@@ -1,0 +1,222 @@
+"""Sweeps: a grid over config keys, expanded into deterministic runs, run by a local worker pool.
+
+A sweep file is TOML with three tables::
+
+    [sweep]   name = "study-smoke"; base = "smoke"   (a run preset or TOML file); kind = "main"
+    [set]     fixed overrides, e.g. "train.steps" = 100
+    [grid]    "model.n_layers" = [4, 6, 8]; "train.seed,train.data_seed" = [[0, 0], [1, 1]]  (zipped keys)
+
+``sweep.json`` (the expanded grid) is written before anything runs. Finished runs (done.json)
+are skipped; a partial run resumes from its checkpoint; a failing run writes error.json and the
+others go on.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+import tomllib
+import traceback
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from qkgeom import config as C
+from qkgeom.results import RunDir, write_json
+
+SWEEP_KINDS = ("main", "intervention")
+
+
+class SweepError(ValueError):
+    """A sweep file or grid that cannot be expanded."""
+
+
+@dataclass(frozen=True)
+class SweepSpec:
+    name: str
+    base: str
+    kind: str = "main"
+    fixed: dict[str, Any] = field(default_factory=dict)
+    grid: dict[str, list] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    run_id: str
+    overrides: dict[str, Any]
+    config: C.RunConfig
+
+
+def resolve_sweep(path: str | Path) -> Path:
+    """A sweep TOML path, or a study preset name (`smoke` -> configs/study-smoke.toml)."""
+    p = Path(path)
+    if p.is_file():
+        return p
+    for cand in (C.CONFIG_DIR / f"study-{path}.toml", C.CONFIG_DIR / f"{path}.toml"):
+        if cand.is_file():
+            return cand
+    known = ", ".join(sorted(x.stem.removeprefix("study-") for x in C.CONFIG_DIR.glob("study-*.toml")))
+    raise SweepError(f"sweep {str(path)!r} is neither a file nor a study preset (presets: {known})")
+
+
+def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
+    """Parse a sweep file; `extra` are ``key=value`` overrides added to its [set] table."""
+    p = resolve_sweep(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SweepError(f"sweep file {p} is not valid TOML: {e}") from None
+    unknown = sorted(set(data) - {"sweep", "set", "grid"})
+    if unknown or "sweep" not in data:
+        raise SweepError(f"sweep file {p} needs a [sweep] table and only [sweep], [set], [grid] (found {unknown})")
+    head = data["sweep"]
+    bad = sorted(set(head) - {"name", "base", "kind"})
+    if bad:
+        raise SweepError(f"unknown key {bad[0]!r} in [sweep] of {p}")
+    fixed = dict(data.get("set", {}))
+    for item in extra or []:
+        key, _, text = item.partition("=")
+        fixed[key.strip()] = C._parse_scalar(text.strip())
+    spec = SweepSpec(name=head.get("name", p.stem), base=head.get("base", "tiny"), kind=head.get("kind", "main"),
+                     fixed=fixed, grid=dict(data.get("grid", {})))
+    if spec.kind not in SWEEP_KINDS:
+        raise SweepError(f"[sweep] kind must be one of {SWEEP_KINDS}, got {spec.kind!r}")
+    return spec
+
+
+def _as_override(key: str, value: Any) -> str:
+    return f"{key}={json.dumps(value)}"  # JSON scalars and lists are valid TOML values
+
+
+def expand(spec: SweepSpec) -> list[RunSpec]:
+    """Every combination of the grid (zipped keys move together), validated, with run ids."""
+    if not spec.grid or any(len(v) == 0 for v in spec.grid.values()):
+        raise SweepError(f"sweep {spec.name!r} has an empty grid")
+    axes = []
+    for key, values in spec.grid.items():
+        keys = [k.strip() for k in key.split(",")]
+        if len(keys) > 1 and not all(isinstance(v, list) and len(v) == len(keys) for v in values):
+            raise SweepError(f"grid key {key!r} zips {len(keys)} keys: each value must be a list of {len(keys)}")
+        axes.append([dict(zip(keys, v if len(keys) > 1 else [v], strict=True)) for v in values])
+    runs = []
+    for combo in itertools.product(*axes):
+        overrides = {**spec.fixed, **{k: v for part in combo for k, v in part.items()}}
+        label = "_".join(f"{k.split('.')[-1]}={v}" for part in combo for k, v in part.items())
+        strings = [_as_override(k, v) for k, v in overrides.items()] + [_as_override("name", label)]
+        try:
+            cfg = C.load(spec.base, strings)
+        except C.ConfigError as e:
+            raise SweepError(f"sweep {spec.name!r}: {e}") from None
+        from qkgeom.train import run_id
+
+        runs.append(RunSpec(run_id(cfg), overrides, cfg))
+    return runs
+
+
+def write_manifest(spec: SweepSpec, runs: list[RunSpec], out: Path) -> None:
+    write_json(out / "sweep.json", {
+        "name": spec.name, "base": spec.base, "kind": spec.kind, "set": spec.fixed, "grid": spec.grid,
+        "runs": [{"run_id": r.run_id, "overrides": r.overrides, "config": C.to_dict(r.config)} for r in runs],
+    })
+
+
+def _check_data(runs: list[RunSpec]) -> None:
+    """Resolve and encode each distinct corpus once, up front: a missing corpus fails the sweep
+    in one line instead of every run, and workers find the encoding cache warm."""
+    from qkgeom.data import load_corpus
+
+    for data_cfg in {r.config.data for r in runs}:
+        load_corpus(data_cfg)
+
+
+def default_workers(n_runs: int) -> int:
+    return max(1, min(n_runs, os.cpu_count() or 1))
+
+
+def run_one(cfg_dict: dict[str, Any], run_dir: str, threads: int = 0) -> dict[str, Any]:
+    """Train one run (resuming a partial one); never raises: failures come back as a status."""
+    import torch
+
+    from qkgeom.train import train
+
+    if threads:
+        torch.set_num_threads(threads)
+    rd = RunDir(run_dir)
+    tic = time.perf_counter()
+    try:
+        rd.path.joinpath("error.json").unlink(missing_ok=True)
+        train(C.from_dict(cfg_dict), rd.path, resume=rd.config.exists(), progress=False)
+        return {"run_id": rd.path.name, "status": "done", "seconds": time.perf_counter() - tic}
+    except Exception as e:  # isolate the failure: record it, let the other runs go on
+        msg = f"{type(e).__name__}: {e}"
+        rd.path.mkdir(parents=True, exist_ok=True)
+        write_json(rd.path / "error.json", {"error": msg, "traceback": traceback.format_exc()})
+        return {"run_id": rd.path.name, "status": "failed", "error": msg, "seconds": time.perf_counter() - tic}
+
+
+@dataclass
+class SweepResult:
+    out: Path
+    done: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    failed: dict[str, str] = field(default_factory=dict)
+    seconds: float = 0.0
+
+
+def run_sweep(spec: SweepSpec, out: str | Path, workers: int = 0, progress: bool = True,
+              executor: str = "local", address: str | None = None) -> SweepResult:
+    """Expand, write the manifest, then train every unfinished run in a worker pool."""
+    out = Path(out)
+    runs = expand(spec)
+    out.mkdir(parents=True, exist_ok=True)
+    write_manifest(spec, runs, out)
+    result = SweepResult(out)
+    _check_data(runs)
+    todo = []
+    for r in runs:
+        (result.skipped if RunDir(out / r.run_id).is_done() else todo).append(r)
+    result.skipped = [r.run_id for r in result.skipped]
+    workers = workers or default_workers(len(todo))
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    tic = time.perf_counter()
+    bar = tqdm(total=len(runs), initial=len(result.skipped), disable=not progress, desc=spec.name, unit="run")
+    statuses = _execute(todo, out, workers, threads, executor, address, bar)
+    bar.close()
+    for s in statuses:
+        if s["status"] == "done":
+            result.done.append(s["run_id"])
+        else:
+            result.failed[s["run_id"]] = s["error"]
+    result.seconds = time.perf_counter() - tic
+    return result
+
+
+def _execute(todo: list[RunSpec], out: Path, workers: int, threads: int, executor: str, address: str | None,
+             bar: tqdm) -> list[dict[str, Any]]:
+    statuses = []
+    if not todo:
+        return statuses
+    if executor == "ray":
+        from qkgeom.distributed import run_ray
+
+        return run_ray(todo, out, threads, address, bar)
+    if executor != "local":
+        raise SweepError(f"unknown executor {executor!r} (local, ray)")
+    if workers == 1:
+        for r in todo:
+            statuses.append(run_one(C.to_dict(r.config), str(out / r.run_id), threads))
+            bar.update(1)
+        return statuses
+    # spawn: a clean interpreter per worker (fork after torch has started threads can deadlock)
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(run_one, C.to_dict(r.config), str(out / r.run_id), threads) for r in todo]
+        for f in as_completed(futures):
+            statuses.append(f.result())
+            bar.update(1)
+    return statuses
