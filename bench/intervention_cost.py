@@ -56,10 +56,13 @@ def main() -> None:
         for kind in t_ctl:
             t_ctl[kind] += control(kind, s)
     n_heads = args.depth * cfg.model.n_heads
-    print(f"cpu preset, depth {args.depth}, batch {cfg.train.batch_size}, {n_heads} controlled heads, {args.steps} steps")
+    print(
+        f"cpu preset, depth {args.depth}, batch {cfg.train.batch_size}, {n_heads} controlled heads, {args.steps} steps"
+    )
     print(f"training step      : {1000 * t_step / args.steps:8.2f} ms")
     for kind, t in t_ctl.items():
-        print(f"{kind:6s} control     : {1000 * t / args.steps:8.2f} ms  = {100 * t / t_step:5.2f}% of a step (target <= 5%)")
+        share = 100 * t / t_step
+        print(f"{kind:6s} control     : {1000 * t / args.steps:8.2f} ms  = {share:5.2f}% of a step (target <= 5%)")
 
 
 if __name__ == "__main__":

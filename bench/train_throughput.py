@@ -104,13 +104,17 @@ def main() -> None:
         n_probes = len(json.loads(rd.config.read_text())["probe_steps"])
     # ours_s includes start-up (config/provenance, corpus open, model build); report training-loop time too
     loop_s = done["segment_seconds"]
-    print(f"config: cpu preset, depth {args.depth}, batch {args.batch}, n_ctx {cfg.model.n_ctx}, {args.steps} steps, "
-          f"{args.threads} threads, probe.every={cfg.probe.every} ({n_probes} probes incl. log-spaced early ones)")
+    print(
+        f"config: cpu preset, depth {args.depth}, batch {args.batch}, n_ctx {cfg.model.n_ctx}, {args.steps} steps, "
+        f"{args.threads} threads, probe.every={cfg.probe.every} ({n_probes} probes incl. log-spaced early ones)"
+    )
     print(f"plain PyTorch loop : {tokens / plain_s:10.0f} tokens/s  ({plain_s:.1f} s)")
     print(f"qkgeom train (loop): {tokens / loop_s:10.0f} tokens/s  ({loop_s:.1f} s, probes+eval+checkpoints included)")
     print(f"qkgeom train (call): {tokens / ours_s:10.0f} tokens/s  ({ours_s:.1f} s, start-up included)")
     print(f"ratio qkgeom/plain : {plain_s / loop_s:.3f}   (target >= 0.95)")
-    print(f"probe share        : {100 * done['probe_seconds_last_segment'] / loop_s:.2f}% of training time (target <= 5%)")
+    print(
+        f"probe share        : {100 * done['probe_seconds_last_segment'] / loop_s:.2f}% of training time (target <= 5%)"
+    )
 
 
 if __name__ == "__main__":

@@ -13,6 +13,10 @@ EXAMPLES = """examples:
   qkgeom train configs/cpu.toml --set model.n_layers=6 --set train.seed=1
   qkgeom train tiny --out runs/x --resume            continue a killed run from its last checkpoint
   qkgeom sweep smoke --dry-run                       list the 36 runs of the smoke study
+  qkgeom study smoke                                 the main study end to end at tiny width (minutes)
+  qkgeom study intervention-cpu                      the causal test: 5 seeds x {none, hold, shrink}
+  qkgeom analyze runs/study-smoke                    print and save the claims table
+  qkgeom report runs/study-smoke                     runs/study-smoke/report/index.html
 """
 
 
@@ -50,10 +54,13 @@ def _sweep(args: argparse.Namespace):
             state = "done" if (out / r.run_id / "done.json").exists() else "todo"
             print(f"  [{state}] {r.run_id}  " + " ".join(f"{k}={v}" for k, v in r.overrides.items()))
         return spec, out, None
-    res = run_sweep(spec, out, workers=args.workers, progress=not args.no_progress,
-                    executor=args.executor, address=args.address)
-    print(f"sweep {spec.name}: {len(res.done)} trained, {len(res.skipped)} already done, "
-          f"{len(res.failed)} failed in {res.seconds:.0f} s -> {out}")
+    res = run_sweep(
+        spec, out, workers=args.workers, progress=not args.no_progress, executor=args.executor, address=args.address
+    )
+    print(
+        f"sweep {spec.name}: {len(res.done)} trained, {len(res.skipped)} already done, "
+        f"{len(res.failed)} failed in {res.seconds:.0f} s -> {out}"
+    )
     for rid, err in res.failed.items():
         print(f"  FAILED {rid}: {err}", file=sys.stderr)
     return spec, out, res
@@ -66,17 +73,73 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", help="a sweep TOML file or a study preset (smoke, cpu, paper, intervention-smoke, ...)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config field in every run, e.g. --set train.steps=50 (repeatable)")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config field in every run, e.g. --set train.steps=50 (repeatable)",
+    )
     p.add_argument("--out", help="sweep folder (default: RUNS/<sweep name>)")
     p.add_argument("--runs", default="runs", help="root folder of runs (default: runs)")
-    p.add_argument("--workers", type=int, default=0,
-                   help="parallel runs (default: one per CPU core; each gets cores/workers torch threads)")
-    p.add_argument("--executor", choices=["local", "ray"], default="local",
-                   help="local process pool (default) or a Ray cluster (pip install qkgeom[ray])")
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="parallel runs (default: one per CPU core; each gets cores/workers torch threads)",
+    )
+    p.add_argument(
+        "--executor",
+        choices=["local", "ray"],
+        default="local",
+        help="local process pool (default) or a Ray cluster (pip install qkgeom[ray])",
+    )
     p.add_argument("--address", help="Ray cluster address (default: start or join a local instance)")
     p.add_argument("--dry-run", action="store_true", help="list the runs (and which are done) without running")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _analyze(path: str | Path, transient_fraction: float):
+    """Analyse a folder of runs, printing one warning line per skipped run."""
+    from qkgeom.report import analyze
+
+    a = analyze(path, transient_fraction)
+    for msg in a.skipped:
+        print(f"warning: {msg}", file=sys.stderr)
+    return a
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from qkgeom.report import format_claims
+
+    a = _analyze(args.dir, args.transient_fraction)
+    print(format_claims(a.claims))
+    n_traj = a.trajectories.groupby(["intervention", "qk_init", "n_layers", "layer"]).ngroups
+    print(
+        f"\n{a.geometry['run_id'].nunique()} runs, {n_traj} seed-averaged layer trajectories; "
+        f"wrote {a.path / 'claims.csv'} and {a.path / 'summary.csv'} (and .parquet)"
+    )
+    return 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from qkgeom.report import write_report
+
+    print(f"report: {write_report(_analyze(args.dir, args.transient_fraction))}")
+    return 0
+
+
+def cmd_study(args: argparse.Namespace) -> int:
+    from qkgeom.report import format_claims, write_report
+
+    _, out, res = _sweep(args)
+    if res is None:  # --dry-run
+        return 0
+    a = _analyze(out, args.transient_fraction)
+    print(format_claims(a.claims))
+    print(f"\nreport: {write_report(a)}\ntables: {out / 'claims.csv'}, {out / 'summary.csv'}")
+    return 1 if res.failed else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -101,17 +164,56 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_train)
 
-    p = sub.add_parser("sweep", help="run a grid of training runs in a local worker pool",
-                       description="Expand a sweep file's grid into deterministic runs, write sweep.json, and train "
-                                   "every unfinished run in parallel. Finished runs are skipped; partial ones resume; "
-                                   "a failing run is recorded (error.json) without stopping the others.")
+    p = sub.add_parser(
+        "sweep",
+        help="run a grid of training runs in a local worker pool",
+        description="Expand a sweep file's grid into deterministic runs, write sweep.json, and train "
+        "every unfinished run in parallel. Finished runs are skipped; partial ones resume; "
+        "a failing run is recorded (error.json) without stopping the others.",
+    )
     _add_sweep_args(p)
     p.set_defaults(fn=cmd_sweep)
+
+    tf = dict(
+        type=float,
+        default=0.1,
+        metavar="F",
+        help="post-transient window starts at warmup_steps + F * steps (default 0.1)",
+    )
+    p = sub.add_parser(
+        "analyze",
+        help="claims table and seed-averaged trajectories of a folder of runs",
+        description="Load every finished run under DIR (unfinished or corrupt ones are skipped with a "
+        "warning), write summary.parquet/csv and claims.parquet/csv, print the claims.",
+    )
+    p.add_argument("dir", help="a sweep folder, a folder of runs, or one run folder")
+    p.add_argument("--transient-fraction", **tf)
+    p.set_defaults(fn=cmd_analyze)
+
+    p = sub.add_parser(
+        "report",
+        help="self-contained HTML report with figures",
+        description="Analyse DIR and write DIR/report/index.html (figures embedded) and the PNGs.",
+    )
+    p.add_argument("dir", help="a sweep folder, a folder of runs, or one run folder")
+    p.add_argument("--transient-fraction", **tf)
+    p.set_defaults(fn=cmd_report)
+
+    p = sub.add_parser(
+        "study",
+        help="sweep -> analyze -> report in one command",
+        description="Run a study preset (smoke, cpu, paper, intervention-smoke, intervention-cpu) or "
+        "sweep file end to end and print where the report is.",
+    )
+    _add_sweep_args(p)
+    p.add_argument("--transient-fraction", **tf)
+    p.set_defaults(fn=cmd_study)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from qkgeom.analysis import AnalysisError
     from qkgeom.data import DataError
     from qkgeom.results import CheckpointError
     from qkgeom.sweep import SweepError
@@ -119,7 +221,16 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return args.fn(args)
-    except (C.ConfigError, SweepError, DataError, CheckpointError, TrainingError, ValueError, FileNotFoundError) as e:
+    except (
+        C.ConfigError,
+        SweepError,
+        AnalysisError,
+        DataError,
+        CheckpointError,
+        TrainingError,
+        ValueError,
+        FileNotFoundError,
+    ) as e:
         print(f"qkgeom {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

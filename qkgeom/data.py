@@ -14,6 +14,7 @@ import http.client
 import json
 import os
 import shutil
+import socket
 import tempfile
 import time
 import urllib.error

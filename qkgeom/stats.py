@@ -23,14 +23,22 @@ def slope(x: np.ndarray, y: np.ndarray) -> float:
     return float(S.linregress(x, y).slope)
 
 
-def bootstrap_mean_ci(values: np.ndarray, level: float = 0.95, n_resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+def bootstrap_mean_ci(
+    values: np.ndarray, level: float = 0.95, n_resamples: int = 2000, seed: int = 0
+) -> tuple[float, float]:
     """Percentile bootstrap CI of the mean; (nan, nan) with fewer than two values or no spread."""
     v = np.asarray(values, float)
     v = v[np.isfinite(v)]
     if len(v) < 2 or np.all(v == v[0]):
         return (float(v[0]), float(v[0])) if len(v) >= 2 else (math.nan, math.nan)
-    res = S.bootstrap((v,), np.mean, confidence_level=level, n_resamples=n_resamples, method="percentile",
-                      random_state=np.random.default_rng(seed))
+    res = S.bootstrap(
+        (v,),
+        np.mean,
+        confidence_level=level,
+        n_resamples=n_resamples,
+        method="percentile",
+        random_state=np.random.default_rng(seed),
+    )
     return float(res.confidence_interval.low), float(res.confidence_interval.high)
 
 

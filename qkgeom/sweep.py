@@ -83,8 +83,13 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
     for item in extra or []:
         key, _, text = item.partition("=")
         fixed[key.strip()] = C._parse_scalar(text.strip())
-    spec = SweepSpec(name=head.get("name", p.stem), base=head.get("base", "tiny"), kind=head.get("kind", "main"),
-                     fixed=fixed, grid=dict(data.get("grid", {})))
+    spec = SweepSpec(
+        name=head.get("name", p.stem),
+        base=head.get("base", "tiny"),
+        kind=head.get("kind", "main"),
+        fixed=fixed,
+        grid=dict(data.get("grid", {})),
+    )
     if spec.kind not in SWEEP_KINDS:
         raise SweepError(f"[sweep] kind must be one of {SWEEP_KINDS}, got {spec.kind!r}")
     return spec
@@ -120,10 +125,17 @@ def expand(spec: SweepSpec) -> list[RunSpec]:
 
 
 def write_manifest(spec: SweepSpec, runs: list[RunSpec], out: Path) -> None:
-    write_json(out / "sweep.json", {
-        "name": spec.name, "base": spec.base, "kind": spec.kind, "set": spec.fixed, "grid": spec.grid,
-        "runs": [{"run_id": r.run_id, "overrides": r.overrides, "config": C.to_dict(r.config)} for r in runs],
-    })
+    write_json(
+        out / "sweep.json",
+        {
+            "name": spec.name,
+            "base": spec.base,
+            "kind": spec.kind,
+            "set": spec.fixed,
+            "grid": spec.grid,
+            "runs": [{"run_id": r.run_id, "overrides": r.overrides, "config": C.to_dict(r.config)} for r in runs],
+        },
+    )
 
 
 def _check_data(runs: list[RunSpec]) -> None:
@@ -169,8 +181,14 @@ class SweepResult:
     seconds: float = 0.0
 
 
-def run_sweep(spec: SweepSpec, out: str | Path, workers: int = 0, progress: bool = True,
-              executor: str = "local", address: str | None = None) -> SweepResult:
+def run_sweep(
+    spec: SweepSpec,
+    out: str | Path,
+    workers: int = 0,
+    progress: bool = True,
+    executor: str = "local",
+    address: str | None = None,
+) -> SweepResult:
     """Expand, write the manifest, then train every unfinished run in a worker pool."""
     out = Path(out)
     runs = expand(spec)
@@ -197,8 +215,9 @@ def run_sweep(spec: SweepSpec, out: str | Path, workers: int = 0, progress: bool
     return result
 
 
-def _execute(todo: list[RunSpec], out: Path, workers: int, threads: int, executor: str, address: str | None,
-             bar: tqdm) -> list[dict[str, Any]]:
+def _execute(
+    todo: list[RunSpec], out: Path, workers: int, threads: int, executor: str, address: str | None, bar: tqdm
+) -> list[dict[str, Any]]:
     statuses = []
     if not todo:
         return statuses

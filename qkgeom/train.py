@@ -243,6 +243,14 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
             loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step * (step - start) / (clock() - elapsed0):.0f}"
         )
     bar.close()
-    write_json(rd.done, {"step": t.steps, "elapsed": clock(), "final_valid_loss": rd.read_metrics()[-1]["loss"],
-                         "probe_seconds_last_segment": probe_seconds, "segment_seconds": clock() - elapsed0})
+    write_json(
+        rd.done,
+        {
+            "step": t.steps,
+            "elapsed": clock(),
+            "final_valid_loss": rd.read_metrics()[-1]["loss"],
+            "probe_seconds_last_segment": probe_seconds,
+            "segment_seconds": clock() - elapsed0,
+        },
+    )
     return rd

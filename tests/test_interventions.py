@@ -72,7 +72,9 @@ def weights(rd):
 @pytest.mark.usefixtures("wikitext")
 def test_none_is_bit_identical_to_no_section(tmp_path):
     a = train(tiny_config(train={"steps": 15}), tmp_path / "a", progress=False)
-    b = train(tiny_config(train={"steps": 15}, intervention={"kind": "none", "layers": [0]}), tmp_path / "b", progress=False)
+    b = train(
+        tiny_config(train={"steps": 15}, intervention={"kind": "none", "layers": [0]}), tmp_path / "b", progress=False
+    )
     wa, wb = weights(a), weights(b)
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
     assert [r["loss"] for r in a.read_metrics()] == [r["loss"] for r in b.read_metrics()]
@@ -96,8 +98,10 @@ def test_hold_keeps_initial_normalised_profile(tmp_path):
 
 @pytest.mark.usefixtures("wikitext")
 def test_shrink_follows_schedule_and_is_recorded(tmp_path):
-    cfg = tiny_config(train={"steps": 40}, intervention={"kind": "shrink", "layers": [0], "heads": [1],
-                                                        "target_fraction": 0.4, "reach_fraction": 0.5})
+    cfg = tiny_config(
+        train={"steps": 40},
+        intervention={"kind": "shrink", "layers": [0], "heads": [1], "target_fraction": 0.4, "reach_fraction": 0.5},
+    )
     g = train(cfg, tmp_path / "s", progress=False).read_geometry()
     g = g[(g.layer == 0) & (g["head"] == 1)]
     achieved = g[g.metric == "key_weight_participation_ratio"].set_index("step")["value"]

@@ -1,0 +1,178 @@
+"""Figures: tidy DataFrames in, matplotlib Figures out (no files, no state).
+
+x axes are optimiser steps on a symlog scale, since the early regime matters.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+import pandas as pd  # noqa: E402
+from matplotlib.colors import TwoSlopeNorm  # noqa: E402
+from matplotlib.figure import Figure  # noqa: E402
+
+COLORS = {"query": "tab:blue", "key": "tab:orange", "none": "tab:gray", "hold": "tab:green", "shrink": "tab:red"}
+
+
+def _grid(df: pd.DataFrame, size: float = 3.2):
+    depths, inits = sorted(df["n_layers"].unique()), sorted(df["qk_init"].unique())
+    fig, axes = plt.subplots(
+        len(depths), len(inits), figsize=(size * len(inits), 0.8 * size * len(depths)), squeeze=False, sharex=True
+    )
+    return fig, axes, depths, inits
+
+
+def _band(ax, per_run: pd.DataFrame, color: str, label: str) -> None:
+    """per_run: index step, columns runs; mean line and min-max band over runs (seeds)."""
+    ax.plot(per_run.index, per_run.mean(1), color=color, label=label, lw=1.5)
+    ax.fill_between(per_run.index, per_run.min(1), per_run.max(1), color=color, alpha=0.25, lw=0)
+
+
+def pr_trajectories(df: pd.DataFrame) -> Figure:
+    """Layer-mean PR_Q and PR_K against step, per depth x init, with min-max bands over seeds."""
+    fig, axes, depths, inits = _grid(df)
+    rows = df[df["head"] == -1]
+    for i, d in enumerate(depths):
+        for j, init in enumerate(inits):
+            ax = axes[i, j]
+            sub = rows[(rows["n_layers"] == d) & (rows["qk_init"] == init)]
+            for side in ("query", "key"):
+                m = sub[sub["metric"] == f"{side}_participation_ratio"]
+                per_run = m.groupby(["step", "run_id"])["value"].mean().unstack("run_id")
+                _band(ax, per_run, COLORS[side], f"PR_{side[0].upper()}")
+            ax.set_xscale("symlog", linthresh=1)
+            ax.set_title(f"depth {d}, {init}", fontsize=9)
+            if j == 0:
+                ax.set_ylabel("participation ratio (layer mean)")
+            if i == len(depths) - 1:
+                ax.set_xlabel("step")
+    axes[0, 0].legend(fontsize=8)
+    fig.suptitle("PR_Q and PR_K over training (band: min-max over seeds)")
+    fig.tight_layout()
+    return fig
+
+
+def contrast_heatmap(df: pd.DataFrame) -> Figure:
+    """Seed-mean PR_Q - PR_K per layer (rows) and probe step (columns), per depth x init."""
+    fig, axes, depths, inits = _grid(df)
+    c = df[(df["head"] == -1) & (df["metric"] == "participation_ratio_contrast")]
+    grids = {
+        (d, i): g.groupby(["layer", "step"])["value"].mean().unstack("step")
+        for (d, i), g in c.groupby(["n_layers", "qk_init"])
+    }
+    lim = max((float(np.nanmax(np.abs(g.to_numpy()))) for g in grids.values()), default=1.0) or 1.0
+    norm = TwoSlopeNorm(vcenter=0.0, vmin=-lim, vmax=lim)
+    im = None
+    for i, d in enumerate(depths):
+        for j, init in enumerate(inits):
+            ax = axes[i, j]
+            if (d, init) not in grids:
+                ax.set_axis_off()
+                continue
+            grid = grids[(d, init)]
+            im = ax.imshow(grid.to_numpy(), aspect="auto", cmap="RdBu_r", norm=norm, origin="lower")
+            steps = list(grid.columns)
+            ticks = np.linspace(0, len(steps) - 1, min(5, len(steps))).astype(int)
+            ax.set_xticks(ticks, [str(steps[t]) for t in ticks], fontsize=7)
+            ax.set_title(f"depth {d}, {init}", fontsize=9)
+            ax.set_ylabel("layer" if j == 0 else "")
+            ax.set_xlabel("step (probe index)" if i == len(depths) - 1 else "")
+    fig.colorbar(im, ax=axes, shrink=0.8, label="PR_Q - PR_K (seed mean)")
+    fig.suptitle("Paired contrast per layer over training (red: queries more dispersed)")
+    return fig
+
+
+def entropy_vs_prk(df: pd.DataFrame) -> Figure:
+    """Attention entropy against PR_K, one point per run x layer x probe step, coloured by init."""
+    rows = (
+        df[df["head"] == -1]
+        .pivot_table(index=["run_id", "qk_init", "layer", "step"], columns="metric", values="value")
+        .reset_index()
+    )
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for init, g in rows.groupby("qk_init"):
+        ax.scatter(g["key_participation_ratio"], g["attention_entropy"], s=6, alpha=0.5, label=init)
+    ax.set_xlabel("PR_K (layer)")
+    ax.set_ylabel("attention entropy (nats, layer mean)")
+    ax.legend(title="qk_init", fontsize=8)
+    ax.set_title("Attention entropy vs key participation ratio")
+    fig.tight_layout()
+    return fig
+
+
+def interaction_spectra(spectra: dict[str, tuple[np.ndarray, np.ndarray]]) -> Figure:
+    """Normalised squared singular values of W_Q^h (W_K^h)^T (mean over layers and heads) at each
+    probe step. spectra: title -> (steps (P,), singular values (P, L, H, E))."""
+    fig, axes = plt.subplots(1, len(spectra), figsize=(4 * len(spectra), 3.5), squeeze=False)
+    for ax, (title, (steps, sv)) in zip(axes[0], spectra.items(), strict=True):
+        energy = sv**2 / (sv**2).sum(-1, keepdims=True)
+        profile = energy.mean((1, 2))  # (P, E)
+        colors = plt.cm.viridis(np.linspace(0, 1, len(steps)))
+        for p in range(len(steps)):
+            ax.plot(np.arange(1, profile.shape[1] + 1), profile[p], color=colors[p], lw=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("singular value index")
+        ax.set_title(title, fontsize=9)
+        sm = plt.cm.ScalarMappable(cmap="viridis", norm=plt.Normalize(steps.min(), steps.max()))
+        fig.colorbar(sm, ax=ax, label="step")
+    axes[0, 0].set_ylabel("normalised sigma^2 of W_Q W_K^T")
+    fig.suptitle("Interaction spectrum over training (mean over layers and heads)")
+    fig.tight_layout()
+    return fig
+
+
+def by_condition(df: pd.DataFrame, metric: str, ylabel: str, title: str) -> Figure:
+    """Layer-mean `metric` against step per intervention condition, min-max band over seeds."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    rows = df[(df["head"] == -1) & (df["metric"] == metric)]
+    for kind, g in rows.groupby("intervention"):
+        per_run = g.groupby(["step", "run_id"])["value"].mean().unstack("run_id")
+        _band(ax, per_run, COLORS.get(kind, "k"), kind)
+    ax.set_xscale("symlog", linthresh=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    return fig
+
+
+def control_tracking(df: pd.DataFrame) -> Figure:
+    """Achieved weight-PR_K (mean over controlled heads) against its target, per condition and seed."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    achieved = df[(df["metric"] == "key_weight_participation_ratio") & (df["head"] >= 0)]
+    target = df[df["metric"] == "key_weight_participation_ratio_target"]
+    for kind, g in achieved.groupby("intervention"):
+        for _, r in g.groupby("run_id"):
+            s = r.groupby("step")["value"].mean()
+            ax.plot(s.index, s.values, color=COLORS.get(kind, "k"), alpha=0.6, lw=1)
+        ax.plot([], [], color=COLORS.get(kind, "k"), label=f"{kind} (achieved)")
+    for kind, g in target.groupby("intervention"):
+        s = g.groupby("step")["value"].mean()
+        ax.plot(s.index, s.values, color="k", ls="--", lw=1, label=f"{kind} target")
+    ax.set_xlabel("step")
+    ax.set_ylabel("weight PR_K (PR of sigma^2 of W_K^h)")
+    ax.set_title("Key spectrum under control (per seed)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def loss_curves(metrics: pd.DataFrame, by: str) -> Figure:
+    """Validation loss against step, one line per run, coloured by the column `by`."""
+    fig, ax = plt.subplots(figsize=(6, 4))
+    val = metrics[metrics["split"] == "valid"]
+    cmap = plt.cm.tab10
+    for i, (key, g) in enumerate(val.groupby(by)):
+        for _, r in g.groupby("run_id"):
+            ax.plot(r["step"], r["loss"], color=COLORS.get(str(key), cmap(i % 10)), alpha=0.6, lw=1)
+        ax.plot([], [], color=COLORS.get(str(key), cmap(i % 10)), label=f"{by}={key}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats/char)")
+    ax.legend(fontsize=8)
+    ax.set_title("Validation loss")
+    fig.tight_layout()
+    return fig

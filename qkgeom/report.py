@@ -1,0 +1,196 @@
+"""analyze (tables on disk) and report (one self-contained HTML file plus PNG figures).
+
+<dir>/summary.parquet|csv   seed-averaged layer trajectories
+<dir>/claims.parquet|csv    the claims table (main and/or intervention study)
+<dir>/report/index.html     figures embedded as data URIs; <dir>/report/*.png alongside
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+
+from qkgeom import analysis as A
+from qkgeom import plots
+from qkgeom.data import atomic_write_bytes
+from qkgeom.results import RunDir, read_json
+
+
+@dataclass
+class Analysis:
+    path: Path
+    geometry: pd.DataFrame
+    metrics: pd.DataFrame
+    trajectories: pd.DataFrame
+    claims: pd.DataFrame
+    transient_fraction: float
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def is_intervention(self) -> bool:
+        return self.geometry["intervention"].nunique() > 1
+
+
+def analyze(path: str | Path, transient_fraction: float = 0.1) -> Analysis:
+    """Load every finished run under `path`, compute trajectories and claims, write the tables."""
+    path = Path(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", A.RunWarning)
+        geometry, metrics = A.load_runs(path), A.load_metrics(path)
+    skipped = sorted({str(w.message) for w in caught if issubclass(w.category, A.RunWarning)})
+    traj = A.trajectories(geometry)
+    parts = []
+    if geometry["intervention"].nunique() > 1:
+        parts.append(A.claims_intervention(geometry, metrics, transient_fraction))
+    base = geometry[geometry["intervention"] == "none"]
+    if len(base) and (base["n_layers"].nunique() > 1 or base["qk_init"].nunique() > 1 or not parts):
+        parts.append(A.claims_main(base, transient_fraction))
+    claims = pd.concat(parts, ignore_index=True)
+    for name, df in (("summary", traj), ("claims", claims)):
+        buf = io.BytesIO()
+        df.to_parquet(buf, index=False)
+        atomic_write_bytes(path / f"{name}.parquet", buf.getvalue())
+        atomic_write_bytes(path / f"{name}.csv", df.to_csv(index=False).encode())
+    return Analysis(path, geometry, metrics, traj, claims, transient_fraction, skipped)
+
+
+def format_claims(claims: pd.DataFrame) -> str:
+    """The claims table as aligned text for the terminal."""
+    show = claims[~claims["group"].str.startswith("layer=")].copy()
+    for c in ("value", "ci_low", "ci_high"):
+        show[c] = show[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
+    show["p_value"] = show["p_value"].map(lambda v: "" if pd.isna(v) else f"{v:.2g}")
+    show["ci"] = np.where(show["ci_low"] != "", "[" + show["ci_low"] + ", " + show["ci_high"] + "]", "")
+    cols = ["claim", "group", "window", "value", "ci", "n", "p_value", "gauge_invariant"]
+    with pd.option_context("display.width", 250, "display.max_colwidth", 60, "display.max_rows", 500):
+        return show[cols].to_string(index=False)
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def _spectra_by_init(a: Analysis) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """For each init, the W_Q W_K^T spectra of its lowest-seed run at the middle depth."""
+    runs = a.geometry[["run_id", "qk_init", "n_layers", "seed", "intervention"]].drop_duplicates()
+    depths = sorted(runs["n_layers"].unique())
+    depth = depths[len(depths) // 2]
+    out = {}
+    for key, g in runs[runs["n_layers"] == depth].groupby(["intervention", "qk_init"]):
+        r = g.sort_values("seed").iloc[0]
+        spec = RunDir(a.path / r["run_id"] if (a.path / r["run_id"]).is_dir() else a.path).read_spectra()
+        if "W_QK_singular_values" in spec:
+            title = f"{key[1]}, depth {depth}" + (f", {key[0]}" if a.is_intervention else "") + f", seed {r['seed']}"
+            out[title] = (spec["step"], spec["W_QK_singular_values"])
+    return out
+
+
+def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
+    """name -> (caption, PNG bytes)."""
+    g = a.geometry
+    figs: dict[str, tuple[str, object]] = {}
+    if a.is_intervention:
+        figs["intervention_entropy"] = (
+            "Attention entropy per condition (layer mean; band: min-max over seeds).",
+            plots.by_condition(
+                g, "attention_entropy", "attention entropy (nats)", "Attention entropy under key-spectrum control"
+            ),
+        )
+        figs["intervention_key_spectrum"] = (
+            "Achieved weight-side PR_K of the controlled heads, and the shrink target (dashed).",
+            plots.control_tracking(g),
+        )
+        figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "intervention"))
+    base = g[g["intervention"] == "none"]
+    if len(base):
+        figs["pr_trajectories"] = ("PR_Q and PR_K (layer mean) per depth and init.", plots.pr_trajectories(base))
+        figs["contrast_heatmap"] = ("PR_Q - PR_K per layer over training (seed mean).", plots.contrast_heatmap(base))
+        figs["entropy_vs_prk"] = ("Attention entropy against PR_K.", plots.entropy_vs_prk(base))
+        if not a.is_intervention:
+            figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "qk_init"))
+    spectra = _spectra_by_init(a)
+    if spectra:
+        figs["interaction_spectrum"] = (
+            "Spectrum of W_Q^h (W_K^h)^T over training.",
+            plots.interaction_spectra(spectra),
+        )
+    return {k: (cap, _png(fig)) for k, (cap, fig) in figs.items()}
+
+
+def _provenance(a: Analysis) -> pd.DataFrame:
+    rows = []
+    for run_id in sorted(a.geometry["run_id"].unique()):
+        rd = RunDir(a.path / run_id if (a.path / run_id).is_dir() else a.path)
+        cfg, done = read_json(rd.config), read_json(rd.done)
+        prov = cfg["provenance"]
+        rows.append(
+            {
+                "run_id": run_id,
+                "git_sha": (prov.get("git_sha") or "")[:10],
+                "dirty": prov.get("git_dirty"),
+                "torch": prov.get("torch"),
+                "threads": prov.get("torch_threads"),
+                "seconds": round(done["elapsed"], 1),
+                "final_valid_loss": round(done["final_valid_loss"], 4),
+                "notes": "; ".join(cfg.get("notes", [])),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}
+th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}figure{margin:1.5em 0}.warn{color:#a40}
+code{background:#f5f5f5;padding:0 3px}"""
+
+
+def write_report(a: Analysis) -> Path:
+    """Write <dir>/report/index.html (self-contained) and report/*.png for an analysed folder."""
+    transient_fraction = a.transient_fraction
+    out = a.path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    figs = figures(a)
+    for name, (_, png) in figs.items():
+        atomic_write_bytes(out / f"{name}.png", png)
+    claims = a.claims.copy()
+    for c in ("value", "ci_low", "ci_high", "p_value"):
+        claims[c] = claims[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
+    n_runs = a.geometry["run_id"].nunique()
+    parts = [
+        f"<h1>qkgeom report: {html.escape(a.path.name)}</h1>",
+        f"<p>{n_runs} finished runs; generated {time.strftime('%Y-%m-%d %H:%M:%S')}. Windows: <b>whole</b> run and "
+        f"<b>post-transient</b> (steps &ge; warm-up + {transient_fraction:g} &times; steps). "
+        "Figures are measured on these runs; nothing is taken from the paper.</p>",
+        "<p><b>Gauge note.</b> PR_Q and PR_K change under W_Q &rarr; W_Q M, W_K &rarr; W_K M<sup>-T</sup>, "
+        "while attention, the score spectrum and W_Q W_K<sup>T</sup> do not; the column "
+        "<code>gauge_invariant</code> marks claims that involve only the latter.</p>",
+    ]
+    if a.skipped:
+        parts.append("<p class='warn'>Skipped: " + "<br>".join(html.escape(s) for s in a.skipped) + "</p>")
+    parts += ["<h2>Claims table</h2>", claims.to_html(index=False, escape=True)]
+    parts.append("<h2>Figures</h2>")
+    for name, (cap, png) in figs.items():
+        data = base64.b64encode(png).decode()
+        parts.append(
+            f"<figure><img alt='{name}' src='data:image/png;base64,{data}'>"
+            f"<figcaption>{html.escape(cap)} ({name}.png)</figcaption></figure>"
+        )
+    parts += ["<h2>Provenance</h2>", _provenance(a).to_html(index=False, escape=True)]
+    doc = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>qkgeom report: {html.escape(a.path.name)}"
+        f"</title><style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
+    )
+    atomic_write_bytes(out / "index.html", doc.encode())
+    return out / "index.html"
