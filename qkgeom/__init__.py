@@ -1,3 +1,18 @@
 """qkgeom: measure and causally steer the geometry of queries and keys in Transformer attention."""
 
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import pandas as pd
+
 __version__ = "0.1.0"
+
+
+def load_runs(path: str | Path) -> pd.DataFrame:
+    """Tidy geometry rows of every finished run under `path` (see qkgeom.analysis.load_runs)."""
+    from qkgeom.analysis import load_runs as _load_runs
+
+    return _load_runs(path)

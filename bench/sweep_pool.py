@@ -1,0 +1,56 @@
+"""Sweep throughput: the local worker pool against the same runs one after another, in one process.
+
+Target (issue 3): >= 1.6x on 2 cores. The sequential baseline gives each run all cores
+(torch threads = cores); the pool runs one worker per core with one thread each. Usage:
+    python bench/sweep_pool.py [--sweep smoke] [--runs 12]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import require_wikitext  # noqa: E402
+
+from qkgeom import config as C  # noqa: E402
+from qkgeom.sweep import SweepSpec, _execute, expand, load_sweep  # noqa: E402
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sweep", default="smoke", help="study preset or sweep file (default smoke)")
+    ap.add_argument("--runs", type=int, default=12, help="first N runs of the grid (default 12; 0 = all)")
+    args = ap.parse_args()
+    require_wikitext()
+    spec: SweepSpec = load_sweep(args.sweep)
+    runs = expand(spec)[: args.runs or None]
+    cores = os.cpu_count() or 1
+    from qkgeom.data import load_corpus
+
+    load_corpus(runs[0].config.data)  # warm the encoding cache for both
+    with tempfile.TemporaryDirectory() as tmp:
+        tic = time.perf_counter()
+        st = _execute(runs, Path(tmp) / "seq", 1, cores, "local", None, _NoBar())
+        seq = time.perf_counter() - tic
+        tic = time.perf_counter()
+        st += _execute(runs, Path(tmp) / "pool", cores, 1, "local", None, _NoBar())
+        pool = time.perf_counter() - tic
+    assert all(s["status"] == "done" for s in st), st
+    print(f"{len(runs)} runs of {spec.name} ({C.to_dict(runs[0].config)['model']}), {cores} cores")
+    print(f"sequential ({cores} threads/run): {seq:7.1f} s  {len(runs) / seq * 60:6.1f} runs/min")
+    print(f"pool ({cores} workers x 1 thread): {pool:7.1f} s  {len(runs) / pool * 60:6.1f} runs/min")
+    print(f"speed-up: {seq / pool:.2f}x (target >= 1.6x on 2 cores)")
+
+
+if __name__ == "__main__":
+    main()

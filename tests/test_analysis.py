@@ -1,0 +1,142 @@
+"""analysis: claims on synthetic runs with known answers; loading real run folders, skipping bad ones."""
+
+import json
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from qkgeom import analysis as A
+from qkgeom.train import train
+from tests.conftest import tiny_config
+
+STEPS = [0, 10, 20, 30, 40]
+
+
+def synthetic(seeds=(0, 1, 2), inits=("independent", "tied"), depths=(2,), intervention="none", fn=None):
+    """Layer-level rows: PR_Q = 5 + 2 p + 0.1 seed, PR_K = 3 - p, entropy = 1 + PR_K (p = progress)."""
+    rows = []
+    for d in depths:
+        for init in inits:
+            for s in seeds:
+                rid = f"{intervention}-{init}-{d}-{s}"
+                for step in STEPS:
+                    p = step / 40
+                    for layer in range(d):
+                        vals = (
+                            fn(p, s, layer)
+                            if fn
+                            else {
+                                "query_participation_ratio": 5 + 2 * p + 0.1 * s,
+                                "key_participation_ratio": 3 - p,
+                                "attention_entropy": 1 + (3 - p),
+                                "interaction_rank": 2 + p,
+                            }
+                        )
+                        if "participation_ratio_contrast" not in vals and "query_participation_ratio" in vals:
+                            vals["participation_ratio_contrast"] = (
+                                vals["query_participation_ratio"] - vals["key_participation_ratio"]
+                            )
+                        for m, v in vals.items():
+                            rows.append(
+                                dict(
+                                    run_id=rid,
+                                    n_layers=d,
+                                    qk_init=init,
+                                    seed=s,
+                                    data_seed=s,
+                                    intervention=intervention,
+                                    steps=40,
+                                    warmup_steps=4,
+                                    step=step,
+                                    progress=p,
+                                    layer=layer,
+                                    head=-1,
+                                    site="none",
+                                    metric=m,
+                                    value=v,
+                                )
+                            )
+    return pd.DataFrame(rows)
+
+
+def claim(c, name, group="all", window="whole"):
+    r = c[(c.claim == name) & (c.group == group) & (c.window == window)]
+    assert len(r) == 1, (name, group, window)
+    return r.iloc[0]
+
+
+def test_main_claims_known_values():
+    df = synthetic()
+    c = A.claims_main(df)
+    assert claim(c, "trajectories with PR_Q - PR_K > 0 at every probe")["value"] == 1.0
+    assert claim(c, "trajectories with PR_Q - PR_K > 0 at every probe")["n"] == 4  # 2 inits x 2 layers
+    q = claim(c, "slope of PR_Q vs training progress")
+    assert q["value"] == pytest.approx(2.0) and q["ci_low"] == pytest.approx(2.0) and q["n"] == 3
+    assert claim(c, "slope of PR_K vs training progress", "depth=2", "post-transient")["value"] == pytest.approx(-1.0)
+    assert claim(c, "Spearman PR_K vs attention entropy")["value"] > 0.99
+    assert claim(c, "Spearman interaction rank vs attention entropy")["value"] < -0.99
+    assert not claim(c, "Spearman PR_K vs attention entropy")["gauge_invariant"]
+    assert claim(c, "Spearman interaction rank vs attention entropy")["gauge_invariant"]
+    # post-transient window drops steps < 4 + 0.1 * 40 = 8, i.e. step 0
+    assert set(A.window(df, "post-transient")["step"]) == {10, 20, 30, 40}
+
+
+def test_contrast_fraction_counts_trajectories():
+    def fn(p, s, layer):  # layer 1 has a negative contrast at the end only
+        return {"query_participation_ratio": 4.0, "key_participation_ratio": 3.0 + (2 * p if layer == 1 else 0)}
+
+    c = A.claims_main(synthetic(fn=fn, inits=("tied",)))
+    assert claim(c, "trajectories with PR_Q - PR_K > 0 at every probe")["value"] == 0.5
+    assert claim(c, "trajectories with PR_Q - PR_K > 0 at the end")["value"] == 0.5
+
+
+def test_trajectories_average_over_seeds():
+    t = A.trajectories(synthetic(depths=(2, 3)))
+    assert t.groupby(["qk_init", "n_layers", "layer"]).ngroups == 2 * (2 + 3)
+    q = t[(t.metric == "query_participation_ratio") & (t.step == 0)]
+    assert np.allclose(q["mean"], 5 + 0.1) and (q["n"] == 3).all()
+
+
+def test_intervention_claims_paired_by_seed():
+    def outcome(delta):
+        return lambda p, s, layer: {"attention_entropy": 2.0 + delta * (1 + 0.1 * s)}
+
+    df = pd.concat(
+        [
+            synthetic(seeds=range(5), inits=("independent",), intervention=k, fn=outcome(d))
+            for k, d in (("none", 0.0), ("shrink", -0.2), ("hold", 0.1))
+        ]
+    )
+    metrics = pd.DataFrame(
+        [
+            dict(run_id=r, intervention=k, seed=s, split="valid", step=40, steps=40, loss=1.0)
+            for r, k, s in df[["run_id", "intervention", "seed"]].drop_duplicates().itertuples(index=False)
+        ]
+    )
+    c = A.claims_intervention(df, metrics)
+    s = claim(c, "shrink - none: attention entropy (nats)", "mean over layers", "final")
+    expected = np.mean([-0.2 * (1 + 0.1 * s) for s in range(5)])
+    assert s["value"] == pytest.approx(expected) and s["n"] == 5
+    assert s["p_value"] == pytest.approx(2 / 32)  # 5/5 seeds, two-sided sign test
+    assert "5/5 seeds with predicted sign (-)" in s["detail"] and "probability of direction 1.000" in s["detail"]
+    h = claim(c, "hold - none: attention entropy (nats)", "layer=1", "post-transient mean")
+    assert h["value"] == pytest.approx(np.mean([0.1 * (1 + 0.1 * s) for s in range(5)]))
+    assert claim(c, "hold - none: validation loss (nats/char)", "final", "final")["value"] == 0.0
+
+
+@pytest.mark.usefixtures("wikitext")
+def test_load_runs_skips_unfinished_and_corrupt(tmp_path):
+    for seed in (0, 1, 2):
+        train(tiny_config(train={"steps": 6, "seed": seed}), tmp_path / f"r{seed}", progress=False)
+    (tmp_path / "r1" / "done.json").unlink()  # unfinished
+    (tmp_path / "r2" / "geometry.parquet").write_bytes(b"not parquet")  # corrupt
+    with pytest.warns(A.RunWarning) as record:
+        df = A.load_runs(tmp_path)
+    msgs = " ".join(str(w.message) for w in record)
+    assert "r1 (unfinished)" in msgs and "corrupt run r2" in msgs
+    assert set(df["run_id"]) == {"r0"}
+    assert {"progress", "qk_init", "n_layers", "seed"} <= set(df.columns)
+    assert json.loads((tmp_path / "r2" / "config.json").read_text())  # nothing deleted
+    with pytest.raises(A.AnalysisError, match="no finished runs"), pytest.warns(A.RunWarning):
+        A.load_runs(tmp_path / "r1")

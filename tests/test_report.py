@@ -1,0 +1,98 @@
+"""report and the study command: a real tiny study through the CLI, opened in headless Chromium."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.usefixtures("wikitext")
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("study")
+    sweep = tmp / "mini.toml"
+    sweep.write_text(
+        '[sweep]\nname = "mini"\nbase = "tiny"\n[set]\n"train.steps" = 12\n"probe.every" = 4\n'
+        '[grid]\n"model.n_layers" = [1, 2]\n"model.qk_init" = ["independent", "tied"]\n'
+        '"train.seed" = [0, 1]\n'
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "qkgeom.cli", "study", str(sweep), "--out", str(tmp / "mini"), "--no-progress"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr
+    return tmp / "mini", r.stdout
+
+
+def test_study_writes_tables_and_prints_claims(study):
+    out, stdout = study
+    assert "trajectories with PR_Q - PR_K > 0 at every probe" in stdout and "report:" in stdout
+    traj = pd.read_parquet(out / "summary.parquet")
+    assert traj.groupby(["qk_init", "n_layers", "layer"]).ngroups == 2 * (1 + 2)
+    claims = pd.read_csv(out / "claims.csv")
+    assert set(claims["window"]) == {"whole", "post-transient"}
+    assert {"all", "depth=1", "depth=2", "init=independent", "init=tied"} <= set(claims["group"])
+
+
+def test_analyze_warns_on_a_corrupt_run_and_keeps_it(study, tmp_path):
+    out, _ = study
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    victim = sorted(p for p in copy.iterdir() if p.is_dir() and p.name != "report")[0]
+    (victim / "geometry.parquet").write_bytes(b"garbage")
+    r = subprocess.run(
+        [sys.executable, "-m", "qkgeom.cli", "analyze", str(copy)], capture_output=True, text=True, cwd=REPO
+    )
+    assert r.returncode == 0 and f"corrupt run {victim.name}" in r.stderr
+    assert (victim / "geometry.parquet").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = subprocess.run(
+        [sys.executable, "-m", "qkgeom.cli", "analyze", str(empty)], capture_output=True, text=True, cwd=REPO
+    )
+    assert r.returncode == 2 and "no finished runs" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_report_renders_in_headless_chromium(study):
+    pytest.importorskip("selenium")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    out, _ = study
+    if not shutil.which("chromium") or not shutil.which("chromedriver"):
+        msg = "chromium / chromedriver not installed (apt-get install chromium chromium-driver)"
+        pytest.fail(msg) if os.environ.get("CI") else pytest.skip(msg)
+    opts = webdriver.ChromeOptions()
+    for a in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+    ):
+        opts.add_argument(a)
+    opts.binary_location = shutil.which("chromium")
+    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=opts)
+    try:
+        driver.get((out / "report" / "index.html").as_uri())
+        assert driver.title == "qkgeom report: mini"
+        images = driver.execute_script(
+            "return Array.from(document.images).map(i => [i.alt, i.complete, i.naturalWidth])"
+        )
+        pngs = sorted(p.stem for p in (out / "report").glob("*.png"))
+        assert sorted(i[0] for i in images) == pngs and len(pngs) >= 5
+        assert all(complete and width > 100 for _, complete, width in images), images
+        assert "Claims table" in driver.find_element("tag name", "body").text
+    finally:
+        driver.quit()

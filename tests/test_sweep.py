@@ -1,0 +1,81 @@
+"""sweep: expansion, manifest, parallel pool with a failing run, skip-on-restart, parity with train()."""
+
+import json
+import os
+
+import pytest
+
+from qkgeom import sweep as S
+from qkgeom.results import RunDir
+from qkgeom.train import train
+
+
+def write_sweep(tmp_path, grid: str, fixed: str = '"train.steps" = 8', name="t") -> str:
+    p = tmp_path / f"{name}.toml"
+    p.write_text(f'[sweep]\nname = "{name}"\nbase = "tiny"\n\n[set]\n{fixed}\n\n[grid]\n{grid}\n')
+    return str(p)
+
+
+def test_expand_grid_and_zipped_keys(tmp_path):
+    spec = S.load_sweep(
+        write_sweep(tmp_path, '"model.n_layers" = [1, 2, 3]\n"train.seed,train.data_seed" = [[0, 0], [1, 5]]')
+    )
+    runs = S.expand(spec)
+    assert len(runs) == 6 and len({r.run_id for r in runs}) == 6
+    assert [r.run_id for r in runs] == [r.run_id for r in S.expand(spec)]  # deterministic
+    last = runs[-1].config
+    assert (last.model.n_layers, last.train.seed, last.train.data_seed, last.train.steps) == (3, 1, 5, 8)
+
+
+def test_study_presets_expand_to_the_paper_grids():
+    assert len(S.expand(S.load_sweep("smoke"))) == 36
+    runs = S.expand(S.load_sweep("intervention-smoke"))
+    assert len(runs) == 15 and {r.config.intervention.kind for r in runs} == {"none", "hold", "shrink"}
+    assert {r.config.model.n_layers for r in runs} == {6}
+
+
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        ('"model.nlayers" = [1, 2]', "unknown config key 'model.nlayers'"),
+        ('"model.n_layers" = []', "empty grid"),
+        ('"train.seed,train.data_seed" = [1, 2]', "each value must be a list of 2"),
+    ],
+)
+def test_bad_grids(tmp_path, grid, message):
+    with pytest.raises(S.SweepError, match=message):
+        S.expand(S.load_sweep(write_sweep(tmp_path, grid)))
+
+
+def test_unknown_sweep_preset():
+    with pytest.raises(S.SweepError, match="neither a file nor a study preset"):
+        S.load_sweep("nope")
+
+
+@pytest.mark.usefixtures("wikitext")
+def test_pool_isolates_failures_skips_finished_and_matches_train(tmp_path):
+    spec = S.load_sweep(write_sweep(tmp_path, '"train.lr" = [3e-3, 1e6]\n"train.seed" = [0, 1]'))
+    out = tmp_path / "runs"
+    res = S.run_sweep(spec, out, workers=2, progress=False)
+    assert len(res.done) == 2 and len(res.failed) == 2 and not res.skipped
+    assert all("non-finite" in e for e in res.failed.values())
+    manifest = json.loads((out / "sweep.json").read_text())
+    assert len(manifest["runs"]) == 4
+    for rid in res.failed:
+        assert "non-finite" in json.loads((out / rid / "error.json").read_text())["error"]
+    stamps = {rid: (out / rid / "done.json").stat().st_mtime_ns for rid in res.done}
+    again = S.run_sweep(spec, out, workers=2, progress=False)
+    assert sorted(again.skipped) == sorted(res.done) and len(again.failed) == 2
+    assert stamps == {rid: (out / rid / "done.json").stat().st_mtime_ns for rid in res.done}
+    # a run from the pool equals the same config trained directly (same thread count)
+    r = next(r for r in S.expand(spec) if r.run_id in res.done)
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // 2))  # what the pool gave each of its 2 workers
+    try:
+        direct = train(r.config, tmp_path / "direct", progress=False)
+    finally:
+        torch.set_num_threads(before)
+    a, b = RunDir(out / r.run_id).read_metrics(), direct.read_metrics()
+    assert [(x["step"], x["loss"]) for x in a] == [(x["step"], x["loss"]) for x in b]
