@@ -63,45 +63,62 @@ class _Layer:
 class GeometryAccumulator:
     """Streams QKSnapshots; ``rows()`` and ``spectra()`` summarise everything seen."""
 
-    def __init__(self, logit_spectrum: bool = True) -> None:
+    def __init__(self, logit_spectrum: bool = True, site: str = "none") -> None:
         self.layers: list[_Layer] = []
         self.logit_spectrum = logit_spectrum
-        self.site = "none"
+        self.site = site
 
     def update(self, snap: QKSnapshot) -> None:
-        if not self.layers:
-            self.layers = [_Layer() for _ in snap.q]
-        self.site = snap.site
+        """Add one batch of every layer."""
         mask = snap.token_mask
-        for st, q, k, pat in zip(self.layers, snap.q, snap.k, snap.pattern, strict=True):
-            qr, kr = _rows_of(q, mask), _rows_of(k, mask)  # (H, N, E)
-            st.q_head.update(qr)
-            st.k_head.update(kr)
-            st.q_all.update(qr.permute(1, 0, 2).reshape(qr.shape[1], -1))  # (N, H*E)
-            st.k_all.update(kr.permute(1, 0, 2).reshape(kr.shape[1], -1))
-            if pat is not None:
-                self._update_entropy(st, pat, mask, snap.causal)
-            if self.logit_spectrum and snap.causal and mask is None:
-                self._update_logits(st, q, k)
+        for i, (q, k, pat) in enumerate(zip(snap.q, snap.k, snap.pattern, strict=True)):
+            B, _, T, _ = q.shape
+            valid = mask if mask is not None else torch.ones(B, T, dtype=torch.bool)
+            support = torch.cumsum(valid.long(), 1) if snap.causal else valid.long().sum(1, keepdim=True).expand(B, T)
+            self.update_layer(i, q, k, pat, support, snap.causal, mask)
+        self.site = snap.site
+
+    def update_layer(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        pattern: Tensor | None = None,
+        support: Tensor | None = None,
+        causal: bool = True,
+        token_mask: Tensor | None = None,
+    ) -> None:
+        """Add one batch of one layer. q (B, H_q, T, E), k (B, H_kv, T, E), pattern (B, H_q, T, S),
+        support (B, T): keys visible to each query; token_mask (B, T): real tokens."""
+        while len(self.layers) <= layer:
+            self.layers.append(_Layer())
+        st = self.layers[layer]
+        qr, kr = _rows_of(q, token_mask), _rows_of(k, token_mask)  # (H, N, E)
+        st.q_head.update(qr)
+        st.k_head.update(kr)
+        st.q_all.update(qr.permute(1, 0, 2).reshape(qr.shape[1], -1))  # (N, H*E)
+        st.k_all.update(kr.permute(1, 0, 2).reshape(kr.shape[1], -1))
+        if pattern is not None:
+            self._update_entropy(st, pattern, support, token_mask)
+        if self.logit_spectrum and token_mask is None:
+            self._update_logits(st, q, k, causal)
 
     @staticmethod
-    def _update_entropy(st: _Layer, pat: Tensor, mask: Tensor | None, causal: bool) -> None:
+    def _update_entropy(st: _Layer, pat: Tensor, support: Tensor, mask: Tensor | None) -> None:
         B, H, T, _ = pat.shape
         if mask is None:
             mask = torch.ones(B, T, dtype=torch.bool)
-        if causal:
-            support = torch.cumsum(mask.long(), dim=1)  # keys visible to each query
-        else:
-            support = mask.long().sum(1, keepdim=True).expand(B, T)
+        support = support.to(pat.device)
         h, hn = G.attention_entropy(pat, support[:, None, :].expand(B, H, T))  # (B, H, T)
-        valid = mask[:, None, :].expand(B, H, T) & (support[:, None, :] >= 2)
-        hv = torch.where(valid, h, 0.0).sum((0, 2))
-        hnv = torch.where(valid, hn, 0.0).sum((0, 2))
+        valid = (mask.to(pat.device) & (support >= 2))[:, None, :].expand(B, H, T)
+        hv = torch.where(valid, h, 0.0).sum((0, 2)).cpu()
+        hnv = torch.where(valid, hn, 0.0).sum((0, 2)).cpu()
         n = int(valid[:, 0].sum())
         bins = (hn.clamp(0, 1) * (ENTROPY_BINS - 1)).round().long()
         hist = torch.zeros(H, ENTROPY_BINS, dtype=torch.float64)
         for hh in range(H):
-            hist[hh].index_add_(0, bins[:, hh][valid[:, hh]], torch.ones(int(valid[:, hh].sum()), dtype=torch.float64))
+            sel = bins[:, hh][valid[:, hh]].cpu()
+            hist[hh].index_add_(0, sel, torch.ones(len(sel), dtype=torch.float64))
         if st.ent_sum is None:
             st.ent_sum, st.ent_norm_sum, st.ent_hist = hv, hnv, hist
         else:
@@ -109,12 +126,12 @@ class GeometryAccumulator:
         st.ent_n += n
 
     @staticmethod
-    def _update_logits(st: _Layer, q: Tensor, k: Tensor) -> None:
+    def _update_logits(st: _Layer, q: Tensor, k: Tensor, causal: bool) -> None:
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1)  # each query head with the key head it reads
-        sv = G.logit_singular_values(q, k)  # (B, H, T)
-        pr = G.participation_ratio(sv**2).sum(0)
-        top = sv[..., 0].sum(0)
+        sv = G.logit_singular_values(q, k, causal)  # (B, H, T)
+        pr = G.participation_ratio(sv**2).sum(0).cpu()
+        top = sv[..., 0].sum(0).cpu()
         if st.logit_pr_sum is None:
             st.logit_pr_sum, st.logit_top_sum = pr, top
         else:

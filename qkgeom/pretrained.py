@@ -1,0 +1,295 @@
+"""Hugging Face models -> QKSnapshot rows: token-level Q/K geometry of pretrained checkpoints.
+
+Capture is architecture-agnostic: transformers routes every attention module through an
+"attention interface" with the post-rotary q (B, H_q, T, E), k (B, H_kv, T, E), the scaling
+and the mask. We register one more implementation, ``qkgeom``, that computes eager softmax
+attention explicitly and streams each layer's q, k and pattern into a GeometryAccumulator, so
+nothing is cached across layers or batches. Pre-rotary q/k (GPT-NeoX, Llama family) come from
+forward hooks on the projections. Weight-side spectra use per-architecture W_Q^h, W_K^h maps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from qkgeom.probe import GeometryAccumulator, weight_geometry
+
+Tensor = torch.Tensor
+ATTN_IMPL = "qkgeom"
+
+
+class PretrainedError(ValueError):
+    """A model, revision or input that cannot be analysed; the message names it."""
+
+
+def _heads_from_linear(weight: Tensor, n_heads: int) -> Tensor:
+    """nn.Linear weight (H*E, D) -> (H, D, E) in the q = x W convention."""
+    return weight.detach().T.reshape(weight.shape[1], n_heads, -1).permute(1, 0, 2)
+
+
+def _attn_modules(model: nn.Module, attr: str) -> list[nn.Module]:
+    return [
+        m for m in model.modules() if hasattr(m, attr) and type(m).__name__.endswith(("Attention", "SelfAttention"))
+    ]
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How to read one architecture: its attention modules, weights and pre-rotary projections."""
+
+    proj: str  # attribute naming the query (or fused qkv) projection
+    rotary: bool
+    causal: bool
+
+    def weights(self, model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+        cfg = model.config
+        H = cfg.num_attention_heads
+        H_kv = getattr(cfg, "num_key_value_heads", None) or H
+        w_q, w_k = [], []
+        for m in _attn_modules(model, self.proj):
+            if self.proj == "c_attn":  # GPT-2 Conv1D: weight (D, 3D), q | k | v column blocks
+                D = m.c_attn.weight.shape[0]
+                w = m.c_attn.weight.detach()
+                w_q.append(w[:, :D].reshape(D, H, -1).permute(1, 0, 2))
+                w_k.append(w[:, D : 2 * D].reshape(D, H, -1).permute(1, 0, 2))
+            elif self.proj == "query_key_value":  # GPT-NeoX: out features interleaved per head [q|k|v]
+                w = m.query_key_value.weight.detach().T  # (D, 3D)
+                w = w.reshape(w.shape[0], H, 3, -1)
+                w_q.append(w[:, :, 0].permute(1, 0, 2))
+                w_k.append(w[:, :, 1].permute(1, 0, 2))
+            elif self.proj == "q_proj":
+                w_q.append(_heads_from_linear(m.q_proj.weight, H))
+                w_k.append(_heads_from_linear(m.k_proj.weight, H_kv))
+            else:  # BERT: query / key Linear
+                w_q.append(_heads_from_linear(m.query.weight, H))
+                w_k.append(_heads_from_linear(m.key.weight, H))
+        return w_q, w_k
+
+    def pre_rotary_hooks(self, model: nn.Module, store: dict[int, dict[str, Tensor]]) -> list:
+        """Forward hooks recording pre-rotary q, k (B, H, T, E) per layer index."""
+        if not self.rotary:
+            return []
+        cfg = model.config
+        H = cfg.num_attention_heads
+        H_kv = getattr(cfg, "num_key_value_heads", None) or H
+        handles = []
+        for i, m in enumerate(_attn_modules(model, self.proj)):
+
+            def split(t: Tensor, heads: int) -> Tensor:
+                return t.view(t.shape[0], t.shape[1], heads, -1).transpose(1, 2)  # (B, T, H*E) -> (B, H, T, E)
+
+            if self.proj == "query_key_value":
+
+                def hook(mod, inp, out, i=i):
+                    q, k, _ = split(out, H).chunk(3, dim=-1)  # per head [q|k|v]
+                    store[i] = {"q": q.detach(), "k": k.detach()}
+
+                handles.append(m.query_key_value.register_forward_hook(hook))
+            else:
+                handles.append(
+                    m.q_proj.register_forward_hook(
+                        lambda mod, inp, out, i=i: store.setdefault(i, {}).__setitem__("q", split(out, H).detach())
+                    )
+                )
+                handles.append(
+                    m.k_proj.register_forward_hook(
+                        lambda mod, inp, out, i=i: store.setdefault(i, {}).__setitem__("k", split(out, H_kv).detach())
+                    )
+                )
+        return handles
+
+
+ARCHS = {
+    "gpt2": Arch("c_attn", rotary=False, causal=True),
+    "gpt_neox": Arch("query_key_value", rotary=True, causal=True),
+    "llama": Arch("q_proj", rotary=True, causal=True),
+    "qwen2": Arch("q_proj", rotary=True, causal=True),
+    "mistral": Arch("q_proj", rotary=True, causal=True),
+    "bert": Arch("query", rotary=False, causal=False),
+}
+
+
+def arch_of(model: nn.Module) -> Arch:
+    mt = model.config.model_type
+    if mt not in ARCHS:
+        raise PretrainedError(f"unsupported model type {mt!r}; supported: {', '.join(sorted(ARCHS))}")
+    return ARCHS[mt]
+
+
+class _Recorder:
+    """Receives every attention call of one forward pass (see `qkgeom_attention`)."""
+
+    def __init__(self) -> None:
+        self.active: dict[str, GeometryAccumulator] | None = None
+        self.order: dict[int, int] = {}  # id(module) -> layer index, in call order
+        self.pre: dict[int, dict[str, Tensor]] = {}
+        self.keep: list[dict[str, Tensor]] | None = None  # set to [] to keep every call's tensors (tests)
+
+
+RECORDER = _Recorder()
+
+
+def qkgeom_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Eager attention that also streams q, k and the pattern of this layer into the recorder."""
+    B, H, T, E = query.shape
+    groups = H // key.shape[1]
+    k = key.repeat_interleave(groups, dim=1)
+    v = value.repeat_interleave(groups, dim=1)
+    scores = query @ k.transpose(-1, -2) * (scaling if scaling is not None else E**-0.5)  # (B, H, T, S)
+    S = k.shape[-2]
+    if attention_mask is not None:  # eager-style additive float mask (or boolean), (B, 1, T, S)
+        mask = attention_mask[..., :S]
+        allowed = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+        scores = scores.masked_fill(~allowed, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    elif getattr(module, "is_causal", False) and T > 1:
+        allowed = torch.ones(1, 1, T, S, dtype=torch.bool, device=query.device).tril(S - T)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+    else:
+        allowed = torch.ones(1, 1, T, S, dtype=torch.bool, device=query.device)
+    pattern = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    rec = RECORDER
+    if rec.active is not None:
+        layer = rec.order.setdefault(id(module), len(rec.order))
+        support = allowed.expand(B, -1, T, S)[:, 0].sum(-1)  # (B, T) keys visible to each query
+        causal = bool(getattr(module, "is_causal", False))
+        pre = rec.pre.pop(layer) if "post_rotary" in rec.active else None
+        if pre is not None:
+            rec.active["post_rotary"].update_layer(layer, query, key, pattern, support, causal)
+            rec.active["pre_rotary"].update_layer(layer, pre["q"], pre["k"], None, support, causal)
+        else:
+            rec.active["none"].update_layer(layer, query, key, pattern, support, causal)
+        if rec.keep is not None:
+            rec.keep.append({"layer": layer, "q": query.detach(), "k": key.detach(), "pattern": pattern.detach(),
+                             **({"pre_q": pre["q"], "pre_k": pre["k"]} if "post_rotary" in rec.active else {})})
+    out = pattern @ v  # (B, H, T, E)
+    return out.transpose(1, 2).contiguous(), pattern
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(ATTN_IMPL, qkgeom_attention)
+    AttentionMaskInterface.register(ATTN_IMPL, eager_mask)
+
+
+def available_memory() -> int:
+    """Bytes of memory available (MemAvailable), or a large number where unknown."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 1 << 62
+
+
+def estimate_bytes(config) -> int:
+    """float32 weights of a model built from `config` on the meta device (no memory used)."""
+    from transformers import AutoModel
+
+    with torch.device("meta"):
+        model = AutoModel.from_config(config)
+    return 4 * sum(p.numel() for p in model.parameters())
+
+
+def load_model(name: str, revision: str | None = None, memory_limit: int | None = None) -> nn.Module:
+    """A Hugging Face model by hub name (+ revision, cached by transformers) or local folder, in float32,
+    routed through the qkgeom attention. Fails before loading if it cannot fit in memory."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    _register()
+    try:
+        config = AutoConfig.from_pretrained(name, revision=revision)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0]
+        raise PretrainedError(f"cannot load {name!r} at revision {revision or 'main'}: {first}") from None
+    if config.model_type not in ARCHS:
+        raise PretrainedError(f"unsupported model type {config.model_type!r}; supported: {', '.join(sorted(ARCHS))}")
+    need, have = int(1.3 * estimate_bytes(config)), memory_limit or available_memory()
+    if need > have:
+        raise PretrainedError(
+            f"{name} needs about {need / 2**30:.1f} GiB (float32 weights + 30%), only {have / 2**30:.1f} GiB available"
+        )
+    cls = AutoModel if config.model_type == "bert" else AutoModelForCausalLM
+    try:
+        model = cls.from_pretrained(name, revision=revision, attn_implementation=ATTN_IMPL, dtype=torch.float32)
+    except OSError as e:
+        first = str(e).strip().splitlines()[0]
+        raise PretrainedError(f"cannot load {name!r} at revision {revision or 'main'}: {first}") from None
+    return model.eval()
+
+
+def weights_digest(model: nn.Module) -> str:
+    """sha256 over every parameter and buffer's name, shape, dtype and bytes (duplicate detection)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.state_dict().items()):
+        h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def token_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_tokens: int) -> Iterator[Tensor]:
+    """Consecutive non-overlapping (batch_size, seq_len) batches covering n_tokens tokens."""
+    per_batch = seq_len * batch_size
+    n_batches = min(n_tokens, len(tokens)) // per_batch
+    if n_batches == 0:
+        raise PretrainedError(
+            f"the text has {len(tokens)} tokens, fewer than one batch "
+            f"({batch_size} x {seq_len} = {per_batch}); lower --batch-size or --seq-len"
+        )
+    for b in range(n_batches):
+        chunk = np.asarray(tokens[b * per_batch : (b + 1) * per_batch], dtype=np.int64)
+        yield torch.from_numpy(chunk.reshape(batch_size, seq_len))
+
+
+@torch.no_grad()
+def analyse_model(model: nn.Module, batches: Iterator[Tensor], progress: bool = False) -> tuple[list[dict], dict]:
+    """Stream batches through `model`; rows (layer, head, site, metric, value) and spectra."""
+    from tqdm.auto import tqdm
+
+    arch = arch_of(model)
+    if model.config._attn_implementation != ATTN_IMPL:
+        _register()
+        model.set_attn_implementation(ATTN_IMPL)
+    if arch.rotary:
+        accs = {
+            "post_rotary": GeometryAccumulator(site="post_rotary"),
+            "pre_rotary": GeometryAccumulator(logit_spectrum=False, site="pre_rotary"),
+        }
+    else:
+        accs = {"none": GeometryAccumulator()}
+    RECORDER.active, RECORDER.order, RECORDER.pre = accs, {}, {}
+    handles = arch.pre_rotary_hooks(model, RECORDER.pre)
+    try:
+        for idx in tqdm(batches, disable=not progress, desc="batches", unit="batch"):
+            model(input_ids=idx)
+    finally:
+        RECORDER.active = None
+        for h in handles:
+            h.remove()
+    rows = [r for acc in accs.values() for r in acc.rows()]
+    w_rows, w_spectra = weight_geometry(*arch.weights(model), site="pre_rotary" if arch.rotary else "none")
+    spectra = {(k if site == "none" else f"{site}_{k}"): v for site, acc in accs.items() for k, v in acc.spectra().items()}
+    spectra |= w_spectra
+    return rows + w_rows, spectra
+
+
+def text_tokens(name: str, text: str, tokenizer: str | None = None, revision: str | None = None) -> np.ndarray:
+    """Token ids of `text` with the model's own tokenizer (or the one named)."""
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer or name, revision=None if tokenizer else revision)
+    except (OSError, ValueError) as e:
+        raise PretrainedError(
+            f"no tokenizer for {tokenizer or name!r} ({str(e).splitlines()[0]}); pass --tokenizer NAME_OR_FOLDER"
+        ) from None
+    return np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
