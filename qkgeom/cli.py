@@ -17,6 +17,8 @@ EXAMPLES = """examples:
   qkgeom study intervention-cpu                      the causal test: 5 seeds x {none, hold, shrink}
   qkgeom analyze runs/study-smoke                    print and save the claims table
   qkgeom report runs/study-smoke                     runs/study-smoke/report/index.html
+  qkgeom pretrained EleutherAI/pythia-70m --family pythia --every 10
+  qkgeom export runs/train/<run-id> --out runs/hf/mine && qkgeom pretrained runs/hf/mine --all-revisions
 """
 
 
@@ -142,6 +144,76 @@ def cmd_study(args: argparse.Namespace) -> int:
     return 1 if res.failed else 0
 
 
+def cmd_pretrained(args: argparse.Namespace) -> int:
+    from transformers.utils import logging as hf_logging
+
+    from qkgeom import family as F
+    from qkgeom.data import Vocab, resolve_source, wikitext_mirror
+    from qkgeom.pretrained import text_tokens
+    from qkgeom.report import write_family_report
+
+    hf_logging.disable_progress_bar()  # per-revision weight-loading bars drown the overall one
+    hf_logging.set_verbosity_error()
+    if args.text:
+        text_path = Path(args.text)
+    else:  # raw WikiText-2 validation text where the mirror has it, else the named corpus
+        raw = wikitext_mirror() / "wikitext-2-raw" / "valid.txt"
+        text_path = raw if raw.is_file() else resolve_source("wikitext-2") / "valid.txt"
+    if not text_path.is_file():
+        raise FileNotFoundError(f"text file {text_path} does not exist")
+    text = text_path.read_text(encoding="utf-8")[: args.n_tokens * 8]  # ample: tokens are >= 1 char
+    cache: dict[str, object] = {}
+
+    def tokens_fn(path: str):
+        vocab = Path(path) / "qkgeom_vocab.json"
+        key = str(vocab) if vocab.is_file() else (args.tokenizer or args.model)
+        if key not in cache:
+            cache[key] = (
+                Vocab.from_json(vocab.read_text()).encode(text).astype("int64")
+                if vocab.is_file()
+                else text_tokens(path, text, args.tokenizer)
+            )
+        return cache[key]
+
+    revisions = list(args.revision)
+    if args.family == "pythia":
+        revisions += F.pythia_revisions(args.every)
+    if args.all_revisions:
+        root = Path(args.model)
+        revisions += sorted(
+            (d.name for d in root.iterdir() if (d / "config.json").is_file()),
+            key=lambda r: (F.step_of(r) is None, F.step_of(r) or 0, r),
+        )
+    revisions = revisions or [None]
+    slug = args.model.strip("/").replace("/", "__")
+    out = Path(args.out) if args.out else Path(args.runs) / "pretrained" / slug
+    from tqdm.auto import tqdm
+
+    for rev in tqdm(revisions, desc=slug, unit="rev", disable=args.no_progress or len(revisions) == 1):
+        F.analyse_revision(
+            args.model,
+            rev,
+            out,
+            tokens_fn,
+            args.n_tokens,
+            args.seq_len,
+            args.batch_size,
+            progress=not args.no_progress and len(revisions) == 1,
+        )
+    report = write_family_report(out, args.early_max_step)
+    print(f"{len(revisions)} revision(s) of {args.model} -> {out}\nreport: {report}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from qkgeom.family import export_run
+
+    folders = export_run(args.run, args.out)
+    print(f"exported {len(folders)} checkpoints as GPT-2 folders: " + ", ".join(f.name for f in folders))
+    print(f"analyse them with: qkgeom pretrained {args.out} --all-revisions")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qkgeom",
@@ -208,6 +280,44 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep_args(p)
     p.add_argument("--transient-fraction", **tf)
     p.set_defaults(fn=cmd_study)
+
+    p = sub.add_parser(
+        "pretrained",
+        help="token-level Q/K geometry of a Hugging Face model or checkpoint family",
+        description="Stream a text sample through a Hugging Face model (hub name + revision, or a local "
+        "folder) and record per layer and head PR_Q, PR_K, their contrast, attention "
+        "entropy and the W_Q W_K^T spectrum (pre- and post-rotary where rotary applies). "
+        "Several revisions form a checkpoint family: processed one at a time with resume, "
+        "weights hashed, duplicates flagged, trend statistics and a report written.",
+    )
+    p.add_argument(
+        "model", help="hub name (EleutherAI/pythia-70m) or local folder (also one with a folder per revision)"
+    )
+    p.add_argument("--revision", action="append", default=[], help="revision (repeatable), e.g. step1000")
+    p.add_argument("--family", choices=["pythia"], help="add a built-in revision schedule")
+    p.add_argument("--every", type=int, default=1, help="with --family: keep every k-th of the linear part")
+    p.add_argument("--all-revisions", action="store_true", help="every revision sub-folder of a local model folder")
+    p.add_argument("--text", help="text file to sample (default: WikiText-2 validation, raw where available)")
+    p.add_argument("--tokenizer", help="tokenizer name or folder (default: the model's own)")
+    p.add_argument("--n-tokens", type=int, default=65_536, help="tokens to stream (default 65536)")
+    p.add_argument("--seq-len", type=int, default=256, help="sequence length (default 256)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    p.add_argument("--early-max-step", type=int, default=1000, help="last step of the early window (default 1000)")
+    p.add_argument("--out", help="output folder (default: RUNS/pretrained/<model>)")
+    p.add_argument("--runs", default="runs", help="root folder of runs (default: runs)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(fn=cmd_pretrained)
+
+    p = sub.add_parser(
+        "export",
+        help="write a run's checkpoints as Hugging Face GPT-2 folders",
+        description="Export every checkpoint of a qkgeom run as OUT/step_<n>/ (GPT-2 config + "
+        "safetensors + our vocabulary), so `qkgeom pretrained OUT --all-revisions` "
+        "analyses the run as a checkpoint family.",
+    )
+    p.add_argument("run", help="a run folder")
+    p.add_argument("--out", required=True, help="output folder")
+    p.set_defaults(fn=cmd_export)
     return parser
 
 

@@ -176,3 +176,31 @@ def loss_curves(metrics: pd.DataFrame, by: str) -> Figure:
     ax.set_title("Validation loss")
     fig.tight_layout()
     return fig
+
+
+def family_contrast(geometry: pd.DataFrame, revisions: pd.DataFrame) -> Figure:
+    """PR_Q - PR_K per layer against training step (symlog) across a checkpoint family, per site."""
+    g = geometry[
+        (geometry["metric"] == "participation_ratio_contrast") & (geometry["head"] == -1) & (geometry["step"] >= 0)
+    ]
+    sites = sorted(g["site"].unique())
+    fig, axes = plt.subplots(1, len(sites), figsize=(6 * len(sites), 4), squeeze=False)
+    flagged = set(revisions.loc[revisions["flag"] != "", "revision"])
+    for ax, site in zip(axes[0], sites, strict=True):
+        sub = g[g["site"] == site]
+        cmap = plt.cm.viridis(np.linspace(0, 1, sub["layer"].nunique()))
+        for color, (layer, x) in zip(cmap, sub.groupby("layer"), strict=True):
+            s = x.groupby("step")["value"].mean()
+            ax.plot(s.index, s.values, "-o", ms=3, color=color, label=f"layer {layer}")
+        dup = sub[sub["revision"].isin(flagged)].groupby("step")["value"].mean()
+        if len(dup):
+            ax.plot(dup.index, dup.values, "rx", ms=8, label="duplicate weights")
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel("PR_Q - PR_K (layer)")
+        ax.set_title(f"site: {site}")
+        ax.legend(fontsize=7, ncol=2)
+    fig.suptitle("Paired contrast across the checkpoint family")
+    fig.tight_layout()
+    return fig

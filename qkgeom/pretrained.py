@@ -166,8 +166,15 @@ def qkgeom_attention(module, query, key, value, attention_mask, scaling=None, dr
         else:
             rec.active["none"].update_layer(layer, query, key, pattern, support, causal)
         if rec.keep is not None:
-            rec.keep.append({"layer": layer, "q": query.detach(), "k": key.detach(), "pattern": pattern.detach(),
-                             **({"pre_q": pre["q"], "pre_k": pre["k"]} if "post_rotary" in rec.active else {})})
+            rec.keep.append(
+                {
+                    "layer": layer,
+                    "q": query.detach(),
+                    "k": key.detach(),
+                    "pattern": pattern.detach(),
+                    **({"pre_q": pre["q"], "pre_k": pre["k"]} if "post_rotary" in rec.active else {}),
+                }
+            )
     out = pattern @ v  # (B, H, T, E)
     return out.transpose(1, 2).contiguous(), pattern
 
@@ -200,12 +207,25 @@ def estimate_bytes(config) -> int:
     return 4 * sum(p.numel() for p in model.parameters())
 
 
+def resolve_revision(name: str, revision: str | None) -> tuple[str, str | None]:
+    """A local folder holding one sub-folder per revision (e.g. an exported qkgeom run) maps
+    (folder, revision) to (folder/revision, None); hub names pass through unchanged."""
+    p = Path(name)
+    if revision is None or not p.is_dir():
+        return name, revision
+    if (p / revision / "config.json").is_file():
+        return str(p / revision), None
+    avail = sorted(d.name for d in p.iterdir() if (d / "config.json").is_file())
+    raise PretrainedError(f"revision {revision!r} does not exist in {p} (available: {', '.join(avail) or 'none'})")
+
+
 def load_model(name: str, revision: str | None = None, memory_limit: int | None = None) -> nn.Module:
     """A Hugging Face model by hub name (+ revision, cached by transformers) or local folder, in float32,
     routed through the qkgeom attention. Fails before loading if it cannot fit in memory."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     _register()
+    name, revision = resolve_revision(name, revision)
     try:
         config = AutoConfig.from_pretrained(name, revision=revision)
     except OSError as e:
@@ -277,7 +297,9 @@ def analyse_model(model: nn.Module, batches: Iterator[Tensor], progress: bool = 
             h.remove()
     rows = [r for acc in accs.values() for r in acc.rows()]
     w_rows, w_spectra = weight_geometry(*arch.weights(model), site="pre_rotary" if arch.rotary else "none")
-    spectra = {(k if site == "none" else f"{site}_{k}"): v for site, acc in accs.items() for k, v in acc.spectra().items()}
+    spectra = {
+        (k if site == "none" else f"{site}_{k}"): v for site, acc in accs.items() for k, v in acc.spectra().items()
+    }
     spectra |= w_spectra
     return rows + w_rows, spectra
 

@@ -194,3 +194,41 @@ def write_report(a: Analysis) -> Path:
     )
     atomic_write_bytes(out / "index.html", doc.encode())
     return out / "index.html"
+
+
+def write_family_report(path: str | Path, early_max_step: int = 1000) -> Path:
+    """Tables (revisions.csv, trends.csv, geometry.parquet) and report/index.html of a checkpoint family."""
+    from qkgeom.family import family_trends, load_family
+
+    path = Path(path)
+    geometry, revs = load_family(path)
+    trends = family_trends(geometry, early_max_step)
+    atomic_write_bytes(path / "revisions.csv", revs.to_csv(index=False).encode())
+    atomic_write_bytes(path / "trends.csv", trends.to_csv(index=False).encode())
+    out = path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    parts = [
+        f"<h1>qkgeom checkpoint family: {html.escape(path.name)}</h1>",
+        f"<p>{len(revs)} revisions; early window: steps &le; {early_max_step}. Revisions whose weights hash "
+        "identically to an earlier one are flagged (public checkpoint suites are known to serve duplicated "
+        "revisions).</p>",
+    ]
+    if geometry["step"].ge(0).any():
+        png = _png(plots.family_contrast(geometry, revs))
+        atomic_write_bytes(out / "family_contrast.png", png)
+        parts.append(
+            f"<figure><img alt='family_contrast' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+            "<figcaption>PR_Q - PR_K per layer against step (family_contrast.png)</figcaption></figure>"
+        )
+    parts += [
+        "<h2>Trend statistics</h2>",
+        trends.to_html(index=False, float_format=lambda v: f"{v:.4g}"),
+        "<h2>Revisions</h2>",
+        revs.to_html(index=False),
+    ]
+    doc = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>qkgeom family: {html.escape(path.name)}</title>"
+        f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
+    )
+    atomic_write_bytes(out / "index.html", doc.encode())
+    return out / "index.html"

@@ -21,16 +21,51 @@ from qkgeom import pretrained as P
 SMALL = dict(vocab_size=97)
 CONFIGS = {
     "gpt2": GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **SMALL),
-    "gpt_neox": GPTNeoXConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                              rotary_pct=0.25, max_position_embeddings=64, **SMALL),
-    "llama": LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                         intermediate_size=64, max_position_embeddings=64, **SMALL),
-    "qwen2": Qwen2Config(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=1,
-                         intermediate_size=64, max_position_embeddings=64, **SMALL),
-    "mistral": MistralConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                             intermediate_size=64, max_position_embeddings=64, sliding_window=None, **SMALL),
-    "bert": BertConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4, intermediate_size=64,
-                       max_position_embeddings=64, **SMALL),
+    "gpt_neox": GPTNeoXConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        rotary_pct=0.25,
+        max_position_embeddings=64,
+        **SMALL,
+    ),
+    "llama": LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **SMALL,
+    ),
+    "qwen2": Qwen2Config(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **SMALL,
+    ),
+    "mistral": MistralConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        sliding_window=None,
+        **SMALL,
+    ),
+    "bert": BertConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **SMALL,
+    ),
 }
 
 
@@ -132,10 +167,14 @@ def test_streaming_is_batch_invariant_for_pr(folder):
     _, path = folder
     model = P.load_model(str(path))
     tokens = np.random.default_rng(1).integers(0, 97, 4 * 16)
-    one = {(r["site"], r["layer"], r["head"], r["metric"]): r["value"]
-           for r in P.analyse_model(model, P.token_batches(tokens, 16, 4, 64))[0]}
-    four = {(r["site"], r["layer"], r["head"], r["metric"]): r["value"]
-            for r in P.analyse_model(model, P.token_batches(tokens, 16, 1, 64))[0]}
+    one = {
+        (r["site"], r["layer"], r["head"], r["metric"]): r["value"]
+        for r in P.analyse_model(model, P.token_batches(tokens, 16, 4, 64))[0]
+    }
+    four = {
+        (r["site"], r["layer"], r["head"], r["metric"]): r["value"]
+        for r in P.analyse_model(model, P.token_batches(tokens, 16, 1, 64))[0]
+    }
     for key, v in one.items():
         if "participation_ratio" in key[3] and "logit" not in key[3]:
             assert four[key] == pytest.approx(v, rel=1e-6), key

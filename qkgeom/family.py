@@ -1,0 +1,223 @@
+"""Checkpoint families: one model at many revisions, processed one at a time with resume.
+
+    <out>/<revision>/config.json      model, revision, step, tokens_seen, weights_sha256, settings, provenance
+    <out>/<revision>/geometry.parquet same tidy schema as training runs (+ model, revision columns on load)
+    <out>/<revision>/spectra.npz
+    <out>/<revision>/done.json        written last; a re-run skips the revision
+
+Also: export of our own runs' checkpoints as GPT-2 folders (``<out>/step_<n>/``), so the same
+Hugging Face path analyses them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from qkgeom import stats
+from qkgeom.results import RunDir, provenance, read_json, write_json
+
+PYTHIA_TOKENS_PER_STEP = 2_097_152  # 1024 sequences x 2048 tokens
+
+
+def pythia_revisions(every: int = 1) -> list[str]:
+    """Pythia's public schedule: step0, 1, 2, 4, ..., 512, then 1000, 2000, ..., 143000.
+    `every` keeps every k-th of the linear part (the log-spaced early part is always kept)."""
+    early = [0] + [2**i for i in range(10)]
+    late = list(range(1000, 143_001, 1000))
+    late = late[every - 1 :: every] if every > 1 else late
+    if late[-1] != 143_000:
+        late.append(143_000)
+    return [f"step{s}" for s in early + late]
+
+
+def step_of(revision: str) -> int | None:
+    """The optimiser step encoded in a revision name (step1000, step_1000), if any."""
+    m = re.fullmatch(r"step_?(\d+)", revision)
+    return int(m.group(1)) if m else None
+
+
+def tokens_per_step(model_path: str) -> int | None:
+    p = Path(model_path)
+    if (p / "qkgeom_export.json").is_file():
+        return int(read_json(p / "qkgeom_export.json")["tokens_per_step"])
+    return PYTHIA_TOKENS_PER_STEP if "pythia" in model_path.lower() else None
+
+
+def analyse_revision(
+    name: str,
+    revision: str | None,
+    out: Path,
+    tokens_fn: Callable[[str], np.ndarray],
+    n_tokens: int,
+    seq_len: int,
+    batch_size: int,
+    progress: bool = False,
+) -> Path:
+    """Analyse one revision into `out/<revision>/` unless already done; returns the folder."""
+    from qkgeom.pretrained import analyse_model, load_model, resolve_revision, token_batches, weights_digest
+
+    rev = revision or "main"
+    rd = RunDir(out / rev)
+    if rd.is_done():
+        return rd.path
+    model = load_model(name, revision)
+    path, _ = resolve_revision(name, revision)
+    tokens = tokens_fn(path)
+    rows, spectra = analyse_model(model, token_batches(tokens, seq_len, batch_size, n_tokens), progress=progress)
+    step = step_of(rev)
+    tps = tokens_per_step(path)
+    info = {
+        "model": name,
+        "revision": rev,
+        "step": step,
+        "tokens_seen": step * tps if step is not None and tps else None,
+        "weights_sha256": weights_digest(model),
+        "model_type": model.config.model_type,
+        "n_tokens": min(n_tokens, len(tokens)) // (seq_len * batch_size) * seq_len * batch_size,
+        "seq_len": seq_len,
+        "batch_size": batch_size,
+        "provenance": provenance(),
+    }
+    rd.path.mkdir(parents=True, exist_ok=True)
+    write_json(rd.config, info)
+    rd.write_geometry(
+        [{"step": step if step is not None else -1, "tokens_seen": info["tokens_seen"] or -1, **r} for r in rows]
+    )
+    rd.write_spectra(spectra)
+    write_json(rd.done, {"revision": rev})
+    return rd.path
+
+
+def load_family(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(geometry rows of every finished revision, one row per revision with hash-based flags)."""
+    frames, infos = [], []
+    for d in sorted(Path(path).iterdir()):
+        rd = RunDir(d)
+        if not rd.is_done():
+            continue
+        info = read_json(rd.config)
+        g = rd.read_geometry()
+        g["revision"], g["model"] = info["revision"], info["model"]
+        frames.append(g)
+        infos.append({k: info[k] for k in ("model", "revision", "step", "tokens_seen", "weights_sha256")})
+    if not frames:
+        from qkgeom.analysis import AnalysisError
+
+        raise AnalysisError(f"no finished revisions under {path}")
+    revs = pd.DataFrame(infos).sort_values("step", na_position="last").reset_index(drop=True)
+    first = revs.groupby("weights_sha256")["revision"].transform("first")
+    revs["duplicate_of"] = np.where(first != revs["revision"], first, "")
+    revs["flag"] = np.where(revs["duplicate_of"] != "", "identical weights to " + revs["duplicate_of"], "")
+    return pd.concat(frames, ignore_index=True), revs
+
+
+def family_trends(geometry: pd.DataFrame, early_max_step: int = 1000) -> pd.DataFrame:
+    """Spearman of the paired contrast with log(1 + step), early (step <= early_max_step) and late,
+    per layer and for the layer mean; plus the across-heads interaction-rank vs entropy
+    correlation at each revision. Uses post-rotary q/k where the model has rotary embeddings."""
+    site = "post_rotary" if (geometry["site"] == "post_rotary").any() else "none"
+    g = geometry[geometry["step"] >= 0]
+    c = g[(g["metric"] == "participation_ratio_contrast") & (g["head"] == -1) & (g["site"] == site)]
+    rows = []
+    for part, sel in (("early", c["step"] <= early_max_step), ("late", c["step"] > early_max_step)):
+        sub = c[sel]
+        groups = [(str(layer), x.groupby("step")["value"].mean()) for layer, x in sub.groupby("layer")]
+        groups.append(("mean", sub.groupby("step")["value"].mean()))
+        for layer, series in groups:
+            rho, p, n = stats.spearman(np.log1p(series.index.to_numpy(float)), series.to_numpy())
+            rows.append(
+                {
+                    "statistic": "Spearman(PR_Q - PR_K, log step)",
+                    "window": part,
+                    "layer": layer,
+                    "rho": rho,
+                    "p_value": p,
+                    "n": n,
+                }
+            )
+    heads = g[g["head"] >= 0]
+    for rev, x in heads.groupby("revision"):
+        ir = x[x["metric"] == "interaction_rank"].set_index(["layer", "head"])["value"]
+        en = x[(x["metric"] == "attention_entropy") & (x["site"] == site)].set_index(["layer", "head"])["value"]
+        both = pd.concat([ir, en], axis=1, join="inner").dropna()
+        rho, p, n = (
+            stats.spearman(both.iloc[:, 0].to_numpy(), both.iloc[:, 1].to_numpy()) if len(both) else (np.nan, np.nan, 0)
+        )
+        rows.append(
+            {
+                "statistic": "Spearman(interaction rank, attention entropy) across heads",
+                "window": rev,
+                "layer": "all",
+                "rho": rho,
+                "p_value": p,
+                "n": n,
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
+    """Write every checkpoint of a qkgeom run as a Hugging Face GPT-2 folder out/step_<n>/.
+
+    Our GPT is GPT-2's architecture without biases: fused c_attn = [W_Q | W_K | W_V] (D, 3D),
+    exact GELU, LayerNorm eps 1e-5, tied embeddings; biases are written as zeros.
+    """
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    rd = RunDir(run_dir)
+    cfg = read_json(rd.config)
+    m = cfg["config"]["model"]
+    vocab = rd.vocab.read_text()
+    written: list[Path] = []
+    for ckpt in sorted(rd.checkpoints.glob("*.pt")):
+        state = rd.load_checkpoint(ckpt.name)
+        step, sd = int(state["step"]), state["model"]
+        target = Path(out) / f"step_{step}"
+        if target in written:  # last.pt is also a kept step
+            continue
+        hf_cfg = GPT2Config(
+            vocab_size=cfg["vocab_size"],
+            n_positions=m["n_ctx"],
+            n_embd=m["d_model"],
+            n_layer=m["n_layers"],
+            n_head=m["n_heads"],
+            n_inner=m["d_mlp"] or 4 * m["d_model"],
+            activation_function="gelu",
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            layer_norm_epsilon=1e-5,
+            tie_word_embeddings=True,
+        )
+        hf = GPT2LMHeadModel(hf_cfg)
+        new = {
+            "transformer.wte.weight": sd["wte.weight"],
+            "transformer.wpe.weight": sd["wpe.weight"],
+            "transformer.ln_f.weight": sd["ln_f.weight"],
+            "transformer.ln_f.bias": sd["ln_f.bias"],
+        }
+        for i in range(m["n_layers"]):
+            b, h = f"blocks.{i}.", f"transformer.h.{i}."
+            new[h + "attn.c_attn.weight"] = torch.cat([sd[b + "attn.W_Q"], sd[b + "attn.W_K"], sd[b + "attn.W_V"]], 1)
+            new[h + "attn.c_proj.weight"] = sd[b + "attn.W_O"]
+            new[h + "mlp.c_fc.weight"] = sd[b + "fc.weight"].T
+            new[h + "mlp.c_proj.weight"] = sd[b + "proj.weight"].T
+            for ln in ("ln1", "ln2"):
+                hl = "ln_1" if ln == "ln1" else "ln_2"
+                new[h + f"{hl}.weight"], new[h + f"{hl}.bias"] = sd[b + f"{ln}.weight"], sd[b + f"{ln}.bias"]
+        missing = {k: torch.zeros_like(v) for k, v in hf.state_dict().items() if k not in new and k.endswith("bias")}
+        hf.load_state_dict({**new, **missing}, strict=False)
+        hf.save_pretrained(target)
+        (target / "qkgeom_vocab.json").write_text(vocab)
+        write_json(
+            target / "qkgeom_export.json",
+            {"run": str(rd.path), "step": step, "tokens_per_step": cfg["tokens_per_step"]},
+        )
+        written.append(target)
+    return written

@@ -1,0 +1,148 @@
+"""family: our runs exported to Hugging Face give the native probe's numbers; revisions, hashing, trends."""
+
+import numpy as np
+import pytest
+import torch
+
+from qkgeom import family as F
+from qkgeom import pretrained as P
+from qkgeom.data import fixed_offsets, gather, load_corpus
+from qkgeom.model import GPT
+from qkgeom.probe import probe_gpt
+from qkgeom.train import train
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.usefixtures("wikitext")
+
+
+def test_pythia_schedule():
+    revs = F.pythia_revisions()
+    assert revs[:12] == [
+        "step0",
+        "step1",
+        "step2",
+        "step4",
+        "step8",
+        "step16",
+        "step32",
+        "step64",
+        "step128",
+        "step256",
+        "step512",
+        "step1000",
+    ]
+    assert revs[-1] == "step143000" and len(revs) == 11 + 143
+    sub = F.pythia_revisions(every=10)
+    assert sub[11:13] == ["step10000", "step20000"] and sub[-1] == "step143000"
+    assert F.step_of("step_1200") == 1200 and F.step_of("main") is None
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("export")
+    cfg = tiny_config(train={"steps": 12, "checkpoint_steps": [0, 6]})
+    rd = train(cfg, tmp / "run", progress=False)
+    folders = F.export_run(rd.path, tmp / "hf")
+    return cfg, rd, tmp / "hf", folders
+
+
+def test_native_and_hugging_face_paths_agree(exported):
+    cfg, rd, hf_root, folders = exported
+    assert sorted(f.name for f in folders) == ["step_0", "step_12", "step_6"]
+    corpus = load_corpus(cfg.data)
+    valid = corpus.splits["valid"]
+    idx = torch.from_numpy(gather(valid, fixed_offsets(len(valid), cfg.model.n_ctx, 4), cfg.model.n_ctx)[0])
+    model = GPT(cfg.model, corpus.vocab.size)
+    model.load_state_dict(rd.load_checkpoint("step_6.pt")["model"])
+    model.eval()
+    native = {(r["layer"], r["head"], r["metric"]): r["value"] for r in probe_gpt(model, idx)[0]}
+    hf = P.load_model(str(hf_root), "step_6")
+    with torch.no_grad():
+        assert torch.allclose(hf(input_ids=idx).logits, model(idx), atol=1e-4)
+    ours = {(r["layer"], r["head"], r["metric"]): r["value"] for r in P.analyse_model(hf, iter([idx]))[0]}
+    checked = 0
+    for key, v in native.items():
+        if key[2] in (
+            "query_participation_ratio",
+            "key_participation_ratio",
+            "attention_entropy",
+            "attention_entropy_normalised",
+            "interaction_rank",
+            "logit_participation_ratio",
+        ):
+            assert ours[key] == pytest.approx(v, rel=1e-4), key
+            checked += 1
+    assert checked >= 6 * 2 * 5
+
+
+def test_family_resume_hashing_and_trends(exported, tmp_path):
+    cfg, rd, hf_root, _ = exported
+    corpus = load_corpus(cfg.data)
+    tokens = np.asarray(corpus.splits["valid"][:4096], dtype=np.int64)
+    out = tmp_path / "fam"
+    for rev in ("step_0", "step_6", "step_12"):
+        F.analyse_revision(str(hf_root), rev, out, lambda _: tokens, 2048, 32, 8)
+    stamp = (out / "step_6" / "done.json").stat().st_mtime_ns
+    F.analyse_revision(str(hf_root), "step_6", out, lambda _: tokens, 2048, 32, 8)  # resume: skipped
+    assert (out / "step_6" / "done.json").stat().st_mtime_ns == stamp
+    # a mislabeled copy: same weights under another revision name is flagged
+    import shutil
+
+    shutil.copytree(hf_root / "step_6", hf_root / "step_7")
+    F.analyse_revision(str(hf_root), "step_7", out, lambda _: tokens, 2048, 32, 8)
+    geometry, revs = F.load_family(out)
+    assert list(revs["revision"]) == ["step_0", "step_6", "step_7", "step_12"]
+    assert revs.set_index("revision").loc["step_7", "flag"] == "identical weights to step_6"
+    assert (revs.set_index("revision").loc[["step_0", "step_6", "step_12"], "flag"] == "").all()
+    assert revs.set_index("revision").loc["step_12", "tokens_seen"] == 12 * cfg.train.batch_size * cfg.model.n_ctx
+    trends = F.family_trends(geometry, early_max_step=7)
+    early = trends[(trends["window"] == "early") & (trends["layer"] == "mean")].iloc[0]
+    assert early["n"] == 3  # steps 0, 6, 7
+    per_rev = trends[trends["statistic"].str.startswith("Spearman(interaction")]
+    assert set(per_rev["window"]) == {"step_0", "step_6", "step_7", "step_12"} and (per_rev["n"] == 8).all()
+    with pytest.raises(P.PretrainedError, match="revision 'step_99' does not exist"):
+        P.load_model(str(hf_root), "step_99")
+
+
+def test_cli_export_then_pretrained_family(exported, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    _, rd, _, _ = exported
+    run = [sys.executable, "-m", "qkgeom.cli"]
+    r = subprocess.run(
+        run + ["export", str(rd.path), "--out", str(tmp_path / "hf")], capture_output=True, text=True, cwd=REPO
+    )
+    assert r.returncode == 0 and "exported 3 checkpoints" in r.stdout, r.stderr
+    r = subprocess.run(
+        run
+        + [
+            "pretrained",
+            str(tmp_path / "hf"),
+            "--all-revisions",
+            "--n-tokens",
+            "2048",
+            "--seq-len",
+            "32",
+            "--batch-size",
+            "4",
+            "--out",
+            str(tmp_path / "fam"),
+            "--no-progress",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert r.returncode == 0, r.stderr
+    revs = (tmp_path / "fam" / "revisions.csv").read_text()
+    assert "step_0" in revs and "step_12" in revs and (tmp_path / "fam" / "report" / "family_contrast.png").is_file()
+    r = subprocess.run(
+        run + ["pretrained", str(tmp_path / "hf"), "--revision", "step_3", "--out", str(tmp_path / "x")],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert r.returncode == 2 and "revision 'step_3' does not exist" in r.stderr and r.stderr.count("\n") == 1
