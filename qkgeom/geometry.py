@@ -64,22 +64,28 @@ class CovarianceAccumulator:
     """Streaming mean and centered covariance (float64) of row vectors, merged exactly (Chan et al.).
 
     ``update(x)`` takes (..., n, d); the leading dims (e.g. heads) must stay the same between
-    calls. Memory is O(d^2) per group, whatever the number of rows seen.
+    calls. Memory is O(d^2) per group, whatever the number of rows seen. Batch means, centering,
+    merges and the running state are float64; `gram_dtype` is the precision of each batch's
+    centered product X_c^T X_c (float64 by default; float32 halves the cost on wide layers of
+    pretrained models with a relative error of ~1e-6 on the spectrum, see tests).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, gram_dtype: torch.dtype = torch.float64) -> None:
+        self.gram_dtype = gram_dtype
         self.n = 0
         self.mean: Tensor | None = None
         self.m2: Tensor | None = None  # sum of centered outer products, (..., d, d)
+        self._eig: Tensor | None = None  # cached eigenvalues, cleared by update
 
     def update(self, x: Tensor) -> None:
+        self._eig = None
         x = x.detach().to(torch.float64)
         nb = x.shape[-2]
         if nb == 0:
             return
         mb = x.mean(-2)  # (..., d)
-        xc = x - mb.unsqueeze(-2)
-        m2b = xc.transpose(-1, -2) @ xc  # (..., d, d)
+        xc = (x - mb.unsqueeze(-2)).to(self.gram_dtype)
+        m2b = (xc.transpose(-1, -2) @ xc).to(torch.float64)  # (..., d, d)
         if self.mean is None:
             self.n, self.mean, self.m2 = nb, mb, m2b
             return
@@ -100,9 +106,21 @@ class CovarianceAccumulator:
         return self.m2 / self.n
 
     def eigenvalues(self) -> Tensor:
-        """Descending eigenvalues, clipped at 0 (round-off), (..., d)."""
-        ev = torch.linalg.eigvalsh(self.covariance())
-        return ev.flip(-1).clamp_min(0)
+        """Descending eigenvalues, clipped at 0 (round-off), (..., d); cached until the next update."""
+        if self._eig is None:
+            self._eig = torch.linalg.eigvalsh(self.covariance()).flip(-1).clamp_min(0)
+        return self._eig
+
+    def block_eigenvalues(self, n_blocks: int) -> Tensor:
+        """Eigenvalues of the n_blocks equal diagonal blocks of the covariance, (n_blocks, d / n_blocks).
+
+        The covariance of a concatenation [x_1 | ... | x_H] restricted to block h is exactly the
+        covariance of x_h, so per-head spectra come from the layer's accumulator at no extra pass.
+        """
+        cov = self.covariance()
+        e = cov.shape[-1] // n_blocks
+        blocks = torch.stack([cov[h * e : (h + 1) * e, h * e : (h + 1) * e] for h in range(n_blocks)])
+        return torch.linalg.eigvalsh(blocks).flip(-1).clamp_min(0)
 
 
 def causal_support(n_ctx: int) -> Tensor:

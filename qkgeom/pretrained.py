@@ -271,8 +271,18 @@ def token_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_tokens: i
 
 
 @torch.no_grad()
-def analyse_model(model: nn.Module, batches: Iterator[Tensor], progress: bool = False) -> tuple[list[dict], dict]:
-    """Stream batches through `model`; rows (layer, head, site, metric, value) and spectra."""
+def analyse_model(
+    model: nn.Module,
+    batches: Iterator[Tensor],
+    progress: bool = False,
+    logit_max_seqs: int | None = 64,
+    gram_dtype: torch.dtype = torch.float32,
+) -> tuple[list[dict], dict]:
+    """Stream batches through `model`; rows (layer, head, site, metric, value) and spectra.
+
+    Every token enters the covariances and entropies; the logit-spectrum summary (T x T SVDs,
+    the costly part) uses the first `logit_max_seqs` sequences (None: all). Each batch's centered
+    Gram matrix is formed in `gram_dtype`; means, merges and the running state stay float64."""
     from tqdm.auto import tqdm
 
     arch = arch_of(model)
@@ -285,12 +295,13 @@ def analyse_model(model: nn.Module, batches: Iterator[Tensor], progress: bool = 
             "pre_rotary": GeometryAccumulator(logit_spectrum=False, site="pre_rotary"),
         }
     else:
-        accs = {"none": GeometryAccumulator()}
+        accs = {"none": GeometryAccumulator(True, "none", logit_max_seqs, gram_dtype)}
     RECORDER.active, RECORDER.order, RECORDER.pre = accs, {}, {}
     handles = arch.pre_rotary_hooks(model, RECORDER.pre)
+    body = getattr(model, "base_model", model)  # the LM head's logits are not needed: skip them
     try:
         for idx in tqdm(batches, disable=not progress, desc="batches", unit="batch"):
-            model(input_ids=idx)
+            body(input_ids=idx)
     finally:
         RECORDER.active = None
         for h in handles:

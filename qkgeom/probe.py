@@ -9,7 +9,7 @@ spectra come from :func:`weight_geometry`. Adding a metric = one line here + one
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -47,10 +47,10 @@ def _rows_of(x: Tensor, mask: Tensor | None) -> Tensor:
 
 @dataclass
 class _Layer:
-    q_all: G.CovarianceAccumulator = field(default_factory=G.CovarianceAccumulator)
-    k_all: G.CovarianceAccumulator = field(default_factory=G.CovarianceAccumulator)
-    q_head: G.CovarianceAccumulator = field(default_factory=G.CovarianceAccumulator)
-    k_head: G.CovarianceAccumulator = field(default_factory=G.CovarianceAccumulator)
+    q_all: G.CovarianceAccumulator  # (H_q*E)-dim rows
+    k_all: G.CovarianceAccumulator  # (H_kv*E)-dim rows
+    n_q_heads: int = 0
+    n_k_heads: int = 0
     ent_sum: Tensor | None = None  # (H,) sums over rows with k >= 2
     ent_norm_sum: Tensor | None = None
     ent_n: int = 0
@@ -63,9 +63,17 @@ class _Layer:
 class GeometryAccumulator:
     """Streams QKSnapshots; ``rows()`` and ``spectra()`` summarise everything seen."""
 
-    def __init__(self, logit_spectrum: bool = True, site: str = "none") -> None:
+    def __init__(
+        self,
+        logit_spectrum: bool = True,
+        site: str = "none",
+        logit_max_seqs: int | None = None,
+        gram_dtype: torch.dtype = torch.float64,
+    ) -> None:
         self.layers: list[_Layer] = []
+        self.gram_dtype = gram_dtype
         self.logit_spectrum = logit_spectrum
+        self.logit_max_seqs = logit_max_seqs  # the logit SVDs are the costly part: cap sequences if set
         self.site = site
 
     def update(self, snap: QKSnapshot) -> None:
@@ -91,17 +99,19 @@ class GeometryAccumulator:
         """Add one batch of one layer. q (B, H_q, T, E), k (B, H_kv, T, E), pattern (B, H_q, T, S),
         support (B, T): keys visible to each query; token_mask (B, T): real tokens."""
         while len(self.layers) <= layer:
-            self.layers.append(_Layer())
+            self.layers.append(
+                _Layer(G.CovarianceAccumulator(self.gram_dtype), G.CovarianceAccumulator(self.gram_dtype))
+            )
         st = self.layers[layer]
         qr, kr = _rows_of(q, token_mask), _rows_of(k, token_mask)  # (H, N, E)
-        st.q_head.update(qr)
-        st.k_head.update(kr)
-        st.q_all.update(qr.permute(1, 0, 2).reshape(qr.shape[1], -1))  # (N, H*E)
+        st.n_q_heads, st.n_k_heads = qr.shape[0], kr.shape[0]
+        st.q_all.update(qr.permute(1, 0, 2).reshape(qr.shape[1], -1))  # (H, N, E) -> (N, H*E)
         st.k_all.update(kr.permute(1, 0, 2).reshape(kr.shape[1], -1))
         if pattern is not None:
             self._update_entropy(st, pattern, support, token_mask)
-        if self.logit_spectrum and token_mask is None:
-            self._update_logits(st, q, k, causal)
+        room = q.shape[0] if self.logit_max_seqs is None else self.logit_max_seqs - st.logit_n
+        if self.logit_spectrum and token_mask is None and room > 0:
+            self._update_logits(st, q[:room], k[:room], causal)
 
     @staticmethod
     def _update_entropy(st: _Layer, pat: Tensor, support: Tensor, mask: Tensor | None) -> None:
@@ -146,14 +156,16 @@ class GeometryAccumulator:
             out.append({"layer": layer, "head": head, "site": self.site, "metric": metric, "value": float(value)})
 
         for li, st in enumerate(self.layers):
-            for side, acc_all, acc_head in (("query", st.q_all, st.q_head), ("key", st.k_all, st.k_head)):
-                for name, v in G.spectrum_summary(acc_all.eigenvalues()).items():
+            head_eigs = {}
+            for side, acc, n_heads in (("query", st.q_all, st.n_q_heads), ("key", st.k_all, st.n_k_heads)):
+                for name, v in G.spectrum_summary(acc.eigenvalues()).items():
                     add(li, -1, f"{side}_{name}", v)
-                for name, vals in G.spectrum_summary(acc_head.eigenvalues()).items():
+                head_eigs[side] = acc.block_eigenvalues(n_heads)
+                for name, vals in G.spectrum_summary(head_eigs[side]).items():
                     for h, v in enumerate(vals.tolist()):
                         add(li, h, f"{side}_{name}", v)
-            pr_q = G.participation_ratio(st.q_head.eigenvalues())
-            pr_k = G.participation_ratio(st.k_head.eigenvalues())
+            pr_q = G.participation_ratio(head_eigs["query"])
+            pr_k = G.participation_ratio(head_eigs["key"])
             group = len(pr_q) // len(pr_k)
             add(
                 li,
@@ -187,8 +199,8 @@ class GeometryAccumulator:
         return {
             "query_eigenvalues": np.stack([s.q_all.eigenvalues().numpy() for s in self.layers]),
             "key_eigenvalues": np.stack([s.k_all.eigenvalues().numpy() for s in self.layers]),
-            "query_head_eigenvalues": np.stack([s.q_head.eigenvalues().numpy() for s in self.layers]),
-            "key_head_eigenvalues": np.stack([s.k_head.eigenvalues().numpy() for s in self.layers]),
+            "query_head_eigenvalues": np.stack([s.q_all.block_eigenvalues(s.n_q_heads).numpy() for s in self.layers]),
+            "key_head_eigenvalues": np.stack([s.k_all.block_eigenvalues(s.n_k_heads).numpy() for s in self.layers]),
         }
 
 

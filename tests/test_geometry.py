@@ -97,3 +97,14 @@ def test_logit_singular_values_causal():
     k = torch.randn(2, 5, 3, dtype=torch.float64)
     scores = torch.tril(q @ k.transpose(-1, -2) / math.sqrt(3))
     assert torch.allclose(G.logit_singular_values(q, k), torch.linalg.svdvals(scores), atol=1e-7)
+
+
+def test_float32_gram_stays_close_to_float64():
+    x = torch.randn(20, 256, 64, dtype=torch.float64) * torch.logspace(0, -3, 64, dtype=torch.float64) + 3.0
+    exact, fast = G.CovarianceAccumulator(), G.CovarianceAccumulator(torch.float32)
+    for chunk in x:
+        exact.update(chunk)
+        fast.update(chunk)
+    pr_exact, pr_fast = G.participation_ratio(exact.eigenvalues()), G.participation_ratio(fast.eigenvalues())
+    assert pr_fast.item() == pytest.approx(pr_exact.item(), rel=1e-5)
+    assert torch.allclose(fast.mean, exact.mean)  # means stay exact

@@ -177,7 +177,7 @@ def test_streaming_is_batch_invariant_for_pr(folder):
     }
     for key, v in one.items():
         if "participation_ratio" in key[3] and "logit" not in key[3]:
-            assert four[key] == pytest.approx(v, rel=1e-6), key
+            assert four[key] == pytest.approx(v, rel=1e-5, abs=1e-5), key  # float32 batch Gram matrices
 
 
 def test_bad_input(tmp_path):

@@ -1,0 +1,106 @@
+"""`qkgeom pretrained` streaming vs a plain forward with output_attentions=True, in one process.
+
+Model: a randomly initialised Pythia-70M-shaped GPT-NeoX (6 layers, d_model 512, 8 heads, vocab
+50304, partial rotary 25%), built from its config (no hub access). Targets (issue 5): tokens/s
+>= 0.7x the plain forward's; peak memory the same at two token counts 10x apart. Peak memory is
+the resident set size sampled every 5 ms during each call, above the level before the call.
+Usage: python bench/pretrained_throughput.py [--tokens 4096] [--seq-len 128] [--batch-size 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from qkgeom.pretrained import analyse_model, load_model, token_batches
+
+
+def rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+def measure(fn) -> tuple[float, int]:
+    """(seconds, peak RSS increase in bytes) of fn()."""
+    base, peak, stop = rss(), [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], rss())
+            time.sleep(0.005)
+
+    t = threading.Thread(target=sample, daemon=True)
+    t.start()
+    tic = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - tic
+    stop.set()
+    t.join()
+    return seconds, max(peak[0], rss()) - base
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=4096, help="smaller token count (the larger is 10x)")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--batch-size", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    cfg = GPTNeoXConfig(
+        num_hidden_layers=6,
+        hidden_size=512,
+        num_attention_heads=8,
+        intermediate_size=2048,
+        vocab_size=50304,
+        rotary_pct=0.25,
+        max_position_embeddings=2048,
+    )
+    tokens = np.random.default_rng(0).integers(0, 50304, 10 * args.tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.manual_seed(0)
+        AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
+        ours = load_model(tmp)
+        plain = AutoModelForCausalLM.from_pretrained(tmp, attn_implementation="eager").eval()
+
+    def run_plain(n: int) -> None:
+        with torch.no_grad():
+            for idx in token_batches(tokens, args.seq_len, args.batch_size, n):
+                plain(input_ids=idx, output_attentions=True)
+
+    def run_ours(n: int) -> None:
+        analyse_model(ours, token_batches(tokens, args.seq_len, args.batch_size, n))
+
+    run_plain(args.seq_len * args.batch_size)  # warm-up
+    run_ours(args.seq_len * args.batch_size)
+    print(
+        f"Pythia-70M-shaped GPT-NeoX, random weights; batches of {args.batch_size} x {args.seq_len}, "
+        f"{args.threads} threads"
+    )
+    results = {}
+    for n in (args.tokens, 10 * args.tokens):
+        for name, fn in (("plain forward + output_attentions", run_plain), ("qkgeom pretrained", run_ours)):
+            s, mem = measure(lambda fn=fn, n=n: fn(n))
+            results[(name, n)] = (n / s, mem)
+            print(f"{name:34s} {n:7d} tokens: {n / s:8.0f} tokens/s, peak RSS +{mem / 2**20:7.1f} MiB")
+    for n in (args.tokens, 10 * args.tokens):
+        ratio = results[("qkgeom pretrained", n)][0] / results[("plain forward + output_attentions", n)][0]
+        print(f"throughput ratio at {n} tokens: {ratio:.2f} (target >= 0.7)")
+    small, large = results[("qkgeom pretrained", args.tokens)][1], results[("qkgeom pretrained", 10 * args.tokens)][1]
+    print(
+        f"qkgeom peak memory: +{small / 2**20:.1f} MiB at {args.tokens} tokens, +{large / 2**20:.1f} MiB at "
+        f"{10 * args.tokens} tokens (target: the same)"
+    )
+
+
+if __name__ == "__main__":
+    main()
