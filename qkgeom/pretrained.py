@@ -275,7 +275,7 @@ def analyse_model(
     model: nn.Module,
     batches: Iterator[Tensor],
     progress: bool = False,
-    logit_max_seqs: int | None = 64,
+    logit_max_seqs: int | None = 16,
     gram_dtype: torch.dtype = torch.float32,
 ) -> tuple[list[dict], dict]:
     """Stream batches through `model`; rows (layer, head, site, metric, value) and spectra.
