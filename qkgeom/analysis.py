@@ -230,40 +230,20 @@ def _paired(values: pd.Series, kind: str) -> pd.Series:
 
 
 def _direction_rows(diffs: pd.Series, claim: str, group: str, win: str, sign: int | None) -> list[dict]:
+    """One claims row for paired differences; with a predicted sign, also the sign test and PD."""
     if diffs.empty:
         return []
-    lo, hi = stats.bootstrap_mean_ci(diffs.to_numpy())
-    if sign is None:
-        return [
-            _row(
-                "intervention",
-                claim,
-                group,
-                win,
-                diffs.mean(),
-                lo,
-                hi,
-                len(diffs),
-                detail=f"per-seed diffs {np.round(diffs.to_numpy(), 4).tolist()}",
-            )
-        ]
-    k, n, p = stats.sign_test(diffs.to_numpy(), sign)
-    pd_ = stats.probability_of_direction(diffs.to_numpy(), sign)
-    return [
-        _row(
-            "intervention",
-            claim,
-            group,
-            win,
-            diffs.mean(),
-            lo,
-            hi,
-            len(diffs),
-            p,
-            detail=f"{k}/{n} seeds with predicted sign ({'+' if sign > 0 else '-'}); "
-            f"probability of direction {pd_:.3f}; per-seed diffs {np.round(diffs.to_numpy(), 4).tolist()}",
+    v = diffs.to_numpy()
+    lo, hi = stats.bootstrap_mean_ci(v)
+    detail, p = f"per-seed diffs {np.round(v, 4).tolist()}", np.nan
+    if sign is not None:
+        k, n, p = stats.sign_test(v, sign)
+        direction = stats.probability_of_direction(v, sign)
+        detail = (
+            f"{k}/{n} seeds with predicted sign ({'+' if sign > 0 else '-'}); "
+            f"probability of direction {direction:.3f}; {detail}"
         )
-    ]
+    return [_row("intervention", claim, group, win, diffs.mean(), lo, hi, len(diffs), p, detail=detail)]
 
 
 def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame, transient_fraction: float = 0.1) -> pd.DataFrame:

@@ -22,6 +22,12 @@ EXAMPLES = """examples:
 """
 
 
+def _add_output_args(p: argparse.ArgumentParser, default: str) -> None:
+    p.add_argument("--out", help=f"output folder (default: {default})")
+    p.add_argument("--runs", default="runs", help="root folder of runs (default: runs)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="a TOML file or a preset name from configs/ (tiny, cpu, paper, ...)")
     p.add_argument(
@@ -83,8 +89,7 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
         metavar="KEY=VALUE",
         help="override a config field in every run, e.g. --set train.steps=50 (repeatable)",
     )
-    p.add_argument("--out", help="sweep folder (default: RUNS/<sweep name>)")
-    p.add_argument("--runs", default="runs", help="root folder of runs (default: runs)")
+    _add_output_args(p, "RUNS/<sweep name>")
     p.add_argument(
         "--workers",
         type=int,
@@ -99,7 +104,6 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--address", help="Ray cluster address (default: start or join a local instance)")
     p.add_argument("--dry-run", action="store_true", help="list the runs (and which are done) without running")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _analyze(path: str | Path, transient_fraction: float):
@@ -187,19 +191,18 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
     revisions = revisions or [None]
     slug = args.model.strip("/").replace("/", "__")
     out = Path(args.out) if args.out else Path(args.runs) / "pretrained" / slug
-    from tqdm.auto import tqdm
-
-    for rev in tqdm(revisions, desc=slug, unit="rev", disable=args.no_progress or len(revisions) == 1):
-        F.analyse_revision(
-            args.model,
-            rev,
-            out,
-            tokens_fn,
-            args.n_tokens,
-            args.seq_len,
-            args.batch_size,
-            progress=not args.no_progress and len(revisions) == 1,
-        )
+    F.analyse_family(
+        args.model,
+        revisions,
+        out,
+        tokens_fn,
+        args.n_tokens,
+        args.seq_len,
+        args.batch_size,
+        executor=args.executor,
+        address=args.address,
+        progress=not args.no_progress,
+    )
     report = write_family_report(out, args.early_max_step)
     print(f"{len(revisions)} revision(s) of {args.model} -> {out}\nreport: {report}")
     return 0
@@ -230,10 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
         "checkpoints. Writes a self-describing run folder.",
     )
     _add_config_args(p)
-    p.add_argument("--out", help="run folder (default: RUNS/train/<run-id>)")
-    p.add_argument("--runs", default="runs", help="root folder of runs (default: runs)")
+    _add_output_args(p, "RUNS/train/<run-id>")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser(
@@ -303,9 +304,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seq-len", type=int, default=256, help="sequence length (default 256)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
     p.add_argument("--early-max-step", type=int, default=1000, help="last step of the early window (default 1000)")
-    p.add_argument("--out", help="output folder (default: RUNS/pretrained/<model>)")
-    p.add_argument("--runs", default="runs", help="root folder of runs (default: runs)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    _add_output_args(p, "RUNS/pretrained/<model>")
+    p.add_argument(
+        "--executor",
+        choices=["local", "ray"],
+        default="local",
+        help="revisions one after another (default) or in parallel as Ray tasks",
+    )
+    p.add_argument("--address", help="Ray cluster address (default: start a local instance)")
     p.set_defaults(fn=cmd_pretrained)
 
     p = sub.add_parser(

@@ -94,6 +94,46 @@ def analyse_revision(
     return rd.path
 
 
+def analyse_family(
+    name: str,
+    revisions: list[str | None],
+    out: Path,
+    tokens_fn: Callable[[str], np.ndarray],
+    n_tokens: int,
+    seq_len: int,
+    batch_size: int,
+    executor: str = "local",
+    address: str | None = None,
+    progress: bool = True,
+) -> list[Path]:
+    """Every revision through `analyse_revision`: one after another (local) or as Ray tasks (ray).
+    Finished revisions are skipped either way (done.json), so an interrupted family resumes."""
+    from tqdm.auto import tqdm
+
+    args = (out, tokens_fn, n_tokens, seq_len, batch_size)
+    bar = tqdm(total=len(revisions), desc=Path(name).name, unit="rev", disable=not progress or len(revisions) == 1)
+    folders = []
+    if executor == "ray":
+        from qkgeom.distributed import _ray, connect
+
+        ray = _ray()
+        connect(address)
+        task = ray.remote(num_cpus=1, max_retries=0)(analyse_revision)
+        pending = [task.remote(name, rev, *args) for rev in revisions]
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            folders.append(ray.get(done[0]))
+            bar.update(1)
+    elif executor == "local":
+        for rev in revisions:
+            folders.append(analyse_revision(name, rev, *args, progress=progress and len(revisions) == 1))
+            bar.update(1)
+    else:
+        raise ValueError(f"unknown executor {executor!r} (local, ray)")
+    bar.close()
+    return folders
+
+
 def load_family(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(geometry rows of every finished revision, one row per revision with hash-based flags)."""
     frames, infos = [], []
