@@ -291,8 +291,8 @@ def analyse_model(
         model.set_attn_implementation(ATTN_IMPL)
     if arch.rotary:
         accs = {
-            "post_rotary": GeometryAccumulator(site="post_rotary"),
-            "pre_rotary": GeometryAccumulator(logit_spectrum=False, site="pre_rotary"),
+            "post_rotary": GeometryAccumulator(True, "post_rotary", logit_max_seqs, gram_dtype),
+            "pre_rotary": GeometryAccumulator(False, "pre_rotary", None, gram_dtype),
         }
     else:
         accs = {"none": GeometryAccumulator(True, "none", logit_max_seqs, gram_dtype)}
