@@ -63,7 +63,13 @@ def _sweep(args: argparse.Namespace):
             print(f"  [{state}] {r.run_id}  " + " ".join(f"{k}={v}" for k, v in r.overrides.items()))
         return spec, out, None
     res = run_sweep(
-        spec, out, workers=args.workers, progress=not args.no_progress, executor=args.executor, address=args.address
+        spec,
+        out,
+        workers=args.workers,
+        progress=not args.no_progress,
+        executor=args.executor,
+        address=args.address,
+        gpus_per_run=args.gpus_per_run,
     )
     print(
         f"sweep {spec.name}: {len(res.done)} trained, {len(res.skipped)} already done, "
@@ -103,6 +109,7 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
         help="local process pool (default) or a Ray cluster (pip install qkgeom[ray])",
     )
     p.add_argument("--address", help="Ray cluster address (default: start or join a local instance)")
+    p.add_argument("--gpus-per-run", type=float, default=0.0, help="with --executor ray: GPUs each run asks for")
     p.add_argument("--dry-run", action="store_true", help="list the runs (and which are done) without running")
 
 
@@ -328,6 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import signal
+
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `qkgeom sweep smoke --dry-run | head` ends quietly
     args = build_parser().parse_args(argv)
     from qkgeom.analysis import AnalysisError
     from qkgeom.data import DataError

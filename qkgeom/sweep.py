@@ -188,6 +188,7 @@ def run_sweep(
     progress: bool = True,
     executor: str = "local",
     address: str | None = None,
+    gpus_per_run: float = 0.0,
 ) -> SweepResult:
     """Expand, write the manifest, then train every unfinished run in a worker pool."""
     out = Path(out)
@@ -204,7 +205,7 @@ def run_sweep(
     threads = max(1, (os.cpu_count() or 1) // workers)
     tic = time.perf_counter()
     bar = tqdm(total=len(runs), initial=len(result.skipped), disable=not progress, desc=spec.name, unit="run")
-    statuses = _execute(todo, out, workers, threads, executor, address, bar)
+    statuses = _execute(todo, out, workers, threads, executor, address, bar, gpus_per_run)
     bar.close()
     for s in statuses:
         if s["status"] == "done":
@@ -216,7 +217,14 @@ def run_sweep(
 
 
 def _execute(
-    todo: list[RunSpec], out: Path, workers: int, threads: int, executor: str, address: str | None, bar: tqdm
+    todo: list[RunSpec],
+    out: Path,
+    workers: int,
+    threads: int,
+    executor: str,
+    address: str | None,
+    bar: tqdm,
+    gpus_per_run: float = 0.0,
 ) -> list[dict[str, Any]]:
     statuses = []
     if not todo:
@@ -224,7 +232,7 @@ def _execute(
     if executor == "ray":
         from qkgeom.distributed import run_ray
 
-        return run_ray(todo, out, threads, address, bar)
+        return run_ray(todo, out, threads, address, bar, gpus_per_run)
     if executor != "local":
         raise SweepError(f"unknown executor {executor!r} (local, ray)")
     if workers == 1:
