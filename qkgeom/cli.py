@@ -28,16 +28,13 @@ def _add_output_args(p: argparse.ArgumentParser, default: str) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _add_set_arg(p: argparse.ArgumentParser, help: str) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="a TOML file or a preset name from configs/ (tiny, cpu, paper, ...)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field, e.g. --set train.lr=3e-4 (repeatable; values parsed as TOML)",
-    )
+    _add_set_arg(p, "override a config field, e.g. --set train.lr=3e-4 (repeatable; values parsed as TOML)")
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -87,14 +84,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 def _add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", help="a sweep TOML file or a study preset (smoke, cpu, paper, intervention-smoke, ...)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config field in every run, e.g. --set train.steps=50 (repeatable)",
-    )
+    _add_set_arg(p, "override a config field in every run, e.g. --set train.steps=50 (repeatable)")
     _add_output_args(p, "RUNS/<sweep name>")
     p.add_argument(
         "--workers",

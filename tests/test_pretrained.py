@@ -19,53 +19,21 @@ from transformers import (
 from qkgeom import pretrained as P
 
 SMALL = dict(vocab_size=97)
+DECODER = dict(
+    num_hidden_layers=2,
+    hidden_size=32,
+    num_attention_heads=4,
+    intermediate_size=64,
+    max_position_embeddings=64,
+    **SMALL,
+)
 CONFIGS = {
     "gpt2": GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **SMALL),
-    "gpt_neox": GPTNeoXConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        intermediate_size=64,
-        rotary_pct=0.25,
-        max_position_embeddings=64,
-        **SMALL,
-    ),
-    "llama": LlamaConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        **SMALL,
-    ),
-    "qwen2": Qwen2Config(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        **SMALL,
-    ),
-    "mistral": MistralConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        sliding_window=None,
-        **SMALL,
-    ),
-    "bert": BertConfig(
-        num_hidden_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        **SMALL,
-    ),
+    "gpt_neox": GPTNeoXConfig(rotary_pct=0.25, **DECODER),
+    "llama": LlamaConfig(num_key_value_heads=2, **DECODER),
+    "qwen2": Qwen2Config(num_key_value_heads=1, **DECODER),
+    "mistral": MistralConfig(num_key_value_heads=2, sliding_window=None, **DECODER),
+    "bert": BertConfig(**DECODER),
 }
 
 
