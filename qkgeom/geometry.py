@@ -179,6 +179,8 @@ def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     scores = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
     if causal:
         scores = torch.tril(scores)
-    gram = (scores.transpose(-1, -2) @ scores).to(torch.float32)
-    ev = torch.linalg.eigvalsh(gram).to(torch.float64)
-    return ev.flip(-1).clamp_min(0).sqrt()
+    # normalise first (singular values scale linearly) so float32 cannot overflow on huge weights
+    scale = scores.abs().amax(dim=(-1, -2), keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
+    unit = scores / scale
+    ev = torch.linalg.eigvalsh((unit.transpose(-1, -2) @ unit).to(torch.float32)).to(torch.float64)
+    return ev.flip(-1).clamp_min(0).sqrt() * scale[..., 0]

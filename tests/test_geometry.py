@@ -110,3 +110,11 @@ def test_float32_gram_stays_close_to_float64():
     pr_exact, pr_fast = G.participation_ratio(exact.eigenvalues()), G.participation_ratio(fast.eigenvalues())
     assert pr_fast.item() == pytest.approx(pr_exact.item(), rel=1e-5)
     assert torch.allclose(fast.mean, exact.mean)  # means stay exact
+
+
+def test_logit_singular_values_do_not_overflow_on_huge_scores():
+    q = torch.randn(2, 6, 3, dtype=torch.float64) * 1e25  # S^T S would overflow float32 unscaled
+    k = torch.randn(2, 6, 3, dtype=torch.float64) * 1e25
+    sv = G.logit_singular_values(q, k)
+    ref = torch.linalg.svdvals(torch.tril(q @ k.transpose(-1, -2) / 3**0.5))
+    assert torch.isfinite(sv).all() and torch.allclose(sv[..., 0], ref[..., 0], rtol=1e-5)
