@@ -39,7 +39,9 @@ def run_folders(path: str | Path) -> list[Path]:
         raise AnalysisError(f"{p} is not a folder")
     if (p / "config.json").is_file():
         return [p]
-    return sorted(d for d in p.iterdir() if d.is_dir() and (d / "config.json").exists() or (d / "error.json").exists())
+    return sorted(
+        d for d in p.iterdir() if d.is_dir() and ((d / "config.json").exists() or (d / "error.json").exists())
+    )
 
 
 def _run_info(rd: RunDir) -> dict:

@@ -134,7 +134,7 @@ class KeyControl:
             for i, h in enumerate(heads):
                 w[h].copy_(new[i].to(w.dtype))
 
-    def rows(self, w_k: list[Tensor], step: int) -> list[dict]:
+    def rows(self, step: int) -> list[dict]:
         """Target weight-PR_K rows of the controlled heads, next to the achieved value."""
         return [
             {

@@ -219,6 +219,11 @@ def resolve_revision(name: str, revision: str | None) -> tuple[str, str | None]:
     raise PretrainedError(f"revision {revision!r} does not exist in {p} (available: {', '.join(avail) or 'none'})")
 
 
+def _load_error(name: str, revision: str | None, e: OSError) -> PretrainedError:
+    first = str(e).strip().splitlines()[0]
+    return PretrainedError(f"cannot load {name!r} at revision {revision or 'main'}: {first}")
+
+
 def load_model(name: str, revision: str | None = None, memory_limit: int | None = None) -> nn.Module:
     """A Hugging Face model by hub name (+ revision, cached by transformers) or local folder, in float32,
     routed through the qkgeom attention. Fails before loading if it cannot fit in memory."""
@@ -229,8 +234,7 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
     try:
         config = AutoConfig.from_pretrained(name, revision=revision)
     except OSError as e:
-        first = str(e).strip().splitlines()[0]
-        raise PretrainedError(f"cannot load {name!r} at revision {revision or 'main'}: {first}") from None
+        raise _load_error(name, revision, e) from None
     if config.model_type not in ARCHS:
         raise PretrainedError(f"unsupported model type {config.model_type!r}; supported: {', '.join(sorted(ARCHS))}")
     need, have = int(1.3 * estimate_bytes(config)), memory_limit or available_memory()
@@ -242,8 +246,7 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
     try:
         model = cls.from_pretrained(name, revision=revision, attn_implementation=ATTN_IMPL, dtype=torch.float32)
     except OSError as e:
-        first = str(e).strip().splitlines()[0]
-        raise PretrainedError(f"cannot load {name!r} at revision {revision or 'main'}: {first}") from None
+        raise _load_error(name, revision, e) from None
     return model.eval()
 
 

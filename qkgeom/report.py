@@ -82,6 +82,11 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
+def _run_dir(a: Analysis, run_id: str) -> RunDir:
+    """The folder of `run_id`: a sub-folder of the analysed path, or the path itself for one run."""
+    return RunDir(a.path / run_id if (a.path / run_id).is_dir() else a.path)
+
+
 def _spectra_by_init(a: Analysis) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """For each init, the W_Q W_K^T spectra of its lowest-seed run at the middle depth."""
     runs = a.geometry[["run_id", "qk_init", "n_layers", "seed", "intervention"]].drop_duplicates()
@@ -90,7 +95,7 @@ def _spectra_by_init(a: Analysis) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     out = {}
     for key, g in runs[runs["n_layers"] == depth].groupby(["intervention", "qk_init"]):
         r = g.sort_values("seed").iloc[0]
-        spec = RunDir(a.path / r["run_id"] if (a.path / r["run_id"]).is_dir() else a.path).read_spectra()
+        spec = _run_dir(a, r["run_id"]).read_spectra()
         if "W_QK_singular_values" in spec:
             title = f"{key[1]}, depth {depth}" + (f", {key[0]}" if a.is_intervention else "") + f", seed {r['seed']}"
             out[title] = (spec["step"], spec["W_QK_singular_values"])
@@ -132,7 +137,7 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
 def _provenance(a: Analysis) -> pd.DataFrame:
     rows = []
     for run_id in sorted(a.geometry["run_id"].unique()):
-        rd = RunDir(a.path / run_id if (a.path / run_id).is_dir() else a.path)
+        rd = _run_dir(a, run_id)
         cfg, done = read_json(rd.config), read_json(rd.done)
         prov = cfg["provenance"]
         rows.append(

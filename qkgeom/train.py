@@ -106,7 +106,8 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
     train_data, valid_data = corpus.splits["train"], corpus.splits["valid"]
     model = GPT(m, corpus.vocab.size, seed=t.seed).to(device)
     opt = make_optimizer(model, t)
-    control = I.KeyControl.create(cfg.intervention, gpt_weights(model)[1], t.steps)
+    key_weights = gpt_weights(model)[1]  # (H, D, E) views of each W_K: in-place updates keep them valid
+    control = I.KeyControl.create(cfg.intervention, key_weights, t.steps)
     probe_idx = torch.from_numpy(
         gather(valid_data, fixed_offsets(len(valid_data), m.n_ctx, cfg.probe.n_seqs), m.n_ctx)[0]
     ).to(device)
@@ -159,7 +160,7 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
         check_finite(step)
         model.eval()
         rows, spec = probe_gpt(model, probe_idx)
-        rows += control.rows(gpt_weights(model)[1], step)
+        rows += control.rows(step)
         model.train()
         geometry.extend({"step": step, "tokens_seen": step * tokens_per_step, **r} for r in rows)
         rd.write_geometry(geometry)
@@ -225,7 +226,7 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
         opt.step()
-        control.apply(gpt_weights(model)[1], step + 1)
+        control.apply(key_weights, step + 1)
         step += 1
         rd.append_metrics(
             {
