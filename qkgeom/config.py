@@ -8,6 +8,7 @@ properties, never written back, so ``config.json`` records exactly what was aske
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -101,8 +102,10 @@ class ProbeConfig:
     """Probe every this many steps after the log-spaced early steps."""
     log_early: bool = True
     """Also probe at steps 0, 1, 2, 4, 8, ... below `every`."""
-    n_seqs: int = 8
-    """Sequences in the fixed probe batch (from the validation split)."""
+    n_seqs: int = 0
+    """Sequences in the fixed probe batch (validation split); 0 = enough for min_tokens_per_dim."""
+    min_tokens_per_dim: float = 10.0
+    """With n_seqs = 0: probe tokens >= this x d_model (PR is biased low on small samples)."""
 
 
 @dataclass(frozen=True)
@@ -279,7 +282,9 @@ def validate(cfg: RunConfig) -> None:
     for k in ("eval_every", "eval_batches", "checkpoint_every"):
         need(getattr(t, k) > 0, f"train.{k} must be positive, got {getattr(t, k)}")
     need(all(0 <= s <= t.steps for s in t.checkpoint_steps), f"train.checkpoint_steps must lie in [0, {t.steps}]")
-    need(p.every > 0 and p.n_seqs > 0, "probe.every and probe.n_seqs must be positive")
+    need(p.every > 0, f"probe.every must be positive, got {p.every}")
+    need(p.n_seqs >= 0, f"probe.n_seqs must be >= 0 (0 = automatic), got {p.n_seqs}")
+    need(p.min_tokens_per_dim > 0, f"probe.min_tokens_per_dim must be positive, got {p.min_tokens_per_dim}")
     need(iv.kind in INTERVENTIONS, f"intervention.kind must be one of {INTERVENTIONS}, got {iv.kind!r}")
     bad_layers = [x for x in iv.layers if not 0 <= x < m.n_layers]
     need(not bad_layers, f"intervention.layers {bad_layers} do not exist (model has {m.n_layers} layers)")
@@ -289,6 +294,9 @@ def validate(cfg: RunConfig) -> None:
     need(0 < iv.reach_fraction <= 1, f"intervention.reach_fraction must be in (0, 1], got {iv.reach_fraction}")
 
 
-def replace(cfg: Any, **changes: Any) -> Any:
-    """dataclasses.replace re-exported for readability."""
-    return dataclasses.replace(cfg, **changes)
+def probe_n_seqs(cfg: RunConfig) -> int:
+    """Probe sequences: probe.n_seqs, or (if 0) the fewest giving min_tokens_per_dim x d_model tokens,
+    so the layer covariance (dimension d_model) gets at least that many samples per dimension."""
+    if cfg.probe.n_seqs:
+        return cfg.probe.n_seqs
+    return max(1, math.ceil(cfg.probe.min_tokens_per_dim * cfg.model.d_model / cfg.model.n_ctx))

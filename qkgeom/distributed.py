@@ -47,5 +47,5 @@ def run_ray(
     while pending:
         done, pending = ray.wait(pending, num_returns=1)
         statuses.append(ray.get(done[0]))
-        bar.update(1)
+        bar.update(1, statuses[-1]["run_id"])
     return statuses

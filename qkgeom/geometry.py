@@ -16,10 +16,47 @@ covers all heads of a layer. Definitions (MISSION.md):
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 
 Tensor = torch.Tensor
+
+
+class NumericalWarning(UserWarning):
+    """A solve fell back to a slower route, or gave NaN; the message names the solve."""
+
+
+def robust_eigvalsh(mat: Tensor, fast: bool = False, what: str = "eigvalsh") -> Tensor:
+    """Eigenvalues (ascending, float64) of symmetric matrices (..., n, n) that never raise.
+
+    Routes, in order, each tried only if the previous one raised or returned non-finite values:
+    float32 ``eigvalsh`` (only if ``fast``), float64 ``eigvalsh``, float64 ``svdvals`` (equal to the
+    eigenvalues for the positive semi-definite matrices used here), and finally NaN. LAPACK's
+    convergence on ill-conditioned float32 input differs between CPUs (AVX2 vs AVX-512), so a
+    probe must never depend on the first route succeeding. Every fallback issues a
+    :class:`NumericalWarning` (the training loop records them in the run folder).
+    """
+    routes = (("float32", torch.float32),) if fast else ()
+    routes += (("float64", torch.float64),)
+    for name, dtype in routes:
+        try:
+            ev = torch.linalg.eigvalsh(mat.to(dtype)).to(torch.float64)
+            if torch.isfinite(ev).all():
+                if name != routes[0][0]:
+                    warnings.warn(f"{what}: {routes[0][0]} solve failed, used {name}", NumericalWarning, stacklevel=2)
+                return ev
+        except torch.linalg.LinAlgError:
+            pass
+    try:
+        sv = torch.linalg.svdvals(mat.to(torch.float64))
+        if torch.isfinite(sv).all():
+            warnings.warn(f"{what}: eigvalsh failed, used the SVD route", NumericalWarning, stacklevel=2)
+            return sv.flip(-1)
+    except torch.linalg.LinAlgError:
+        pass
+    warnings.warn(f"{what}: every solve failed (non-finite input?); values are NaN", NumericalWarning, stacklevel=2)
+    return torch.full(mat.shape[:-1], math.nan, dtype=torch.float64)
 
 
 def participation_ratio(eigs: Tensor) -> Tensor:
@@ -108,7 +145,7 @@ class CovarianceAccumulator:
     def eigenvalues(self) -> Tensor:
         """Descending eigenvalues, clipped at 0 (round-off), (..., d); cached until the next update."""
         if self._eig is None:
-            self._eig = torch.linalg.eigvalsh(self.covariance()).flip(-1).clamp_min(0)
+            self._eig = robust_eigvalsh(self.covariance(), what="covariance eigenvalues").flip(-1).clamp_min(0)
         return self._eig
 
     def block_eigenvalues(self, n_blocks: int) -> Tensor:
@@ -120,7 +157,7 @@ class CovarianceAccumulator:
         cov = self.covariance()
         e = cov.shape[-1] // n_blocks
         blocks = torch.stack([cov[h * e : (h + 1) * e, h * e : (h + 1) * e] for h in range(n_blocks)])
-        return torch.linalg.eigvalsh(blocks).flip(-1).clamp_min(0)
+        return robust_eigvalsh(blocks, what="per-head covariance eigenvalues").flip(-1).clamp_min(0)
 
 
 def causal_support(n_ctx: int) -> Tensor:
@@ -146,8 +183,13 @@ def attention_entropy(pattern: Tensor, support: Tensor | None = None) -> tuple[T
 
 
 def singular_values(w: Tensor) -> Tensor:
-    """Singular values (descending, float64) of matrices (..., m, n)."""
-    return torch.linalg.svdvals(w.detach().to(torch.float64))
+    """Singular values (descending, float64) of matrices (..., m, n); NaN (with a
+    :class:`NumericalWarning`) where the SVD cannot converge, e.g. on non-finite weights."""
+    try:
+        return torch.linalg.svdvals(w.detach().to(torch.float64))
+    except torch.linalg.LinAlgError:
+        warnings.warn("singular values: SVD failed (non-finite input?); values are NaN", NumericalWarning, stacklevel=2)
+        return torch.full((*w.shape[:-2], min(w.shape[-2:])), math.nan, dtype=torch.float64)
 
 
 def interaction_singular_values(w_q: Tensor, w_k: Tensor) -> Tensor:
@@ -158,7 +200,7 @@ def interaction_singular_values(w_q: Tensor, w_k: Tensor) -> Tensor:
     """
     _, r_q = torch.linalg.qr(w_q.detach().to(torch.float64))
     _, r_k = torch.linalg.qr(w_k.detach().to(torch.float64))
-    return torch.linalg.svdvals(r_q @ r_k.transpose(-1, -2))
+    return singular_values(r_q @ r_k.transpose(-1, -2))
 
 
 def interaction_rank(sv: Tensor) -> Tensor:
@@ -173,7 +215,8 @@ def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     S is formed in float64 and its singular values taken as sqrt(eig(S^T S)) with the T x T
     eigenproblem solved in float32 (the dominant cost of a probe, 2x cheaper than float64): the
     relative error is ~1e-6 of the largest squared singular value, far below what the reported
-    summaries (PR of s^2, s_max) resolve.
+    summaries (PR of s^2, s_max) resolve. If the float32 solve fails (it can, on some CPUs, for
+    ill-conditioned input), :func:`robust_eigvalsh` falls back to float64, then to an SVD.
     """
     q64, k64 = q.detach().to(torch.float64), k.detach().to(torch.float64)
     scores = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
@@ -182,5 +225,5 @@ def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     # normalise first (singular values scale linearly) so float32 cannot overflow on huge weights
     scale = scores.abs().amax(dim=(-1, -2), keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
     unit = scores / scale
-    ev = torch.linalg.eigvalsh((unit.transpose(-1, -2) @ unit).to(torch.float32)).to(torch.float64)
+    ev = robust_eigvalsh(unit.transpose(-1, -2) @ unit, fast=True, what="logit spectrum")
     return ev.flip(-1).clamp_min(0).sqrt() * scale[..., 0]

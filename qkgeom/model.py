@@ -134,8 +134,12 @@ def init_qk(cfg: ModelConfig, g: torch.Generator) -> tuple[torch.Tensor, torch.T
     expected norm of an i.i.d. N(0, init_std^2) matrix, so the kinds differ only in geometry:
 
     - independent: W_Q^h, W_K^h i.i.d. Gaussian.
-    - orthogonal:  W_Q^h = P_q A, W_K^h = P_k B with [P_q P_k] orthonormal (D x 2E) and A, B
-      Gaussian, so (W_Q^h)^T W_K^h = 0 (queries and keys read orthogonal subspaces).
+    - orthogonal:  W_Q^h = P_q R_q S_q V_q^T, W_K^h = P_k R_k S_k V_k^T, with [P_q P_k] an
+      orthonormal D x 2E basis, R random E x E rotations, and S, V the singular values and right
+      singular vectors of two i.i.d. D x E Gaussians. So (W_Q^h)^T W_K^h = 0 (queries and keys
+      read orthogonal subspaces) while each W^h has exactly the singular-value distribution of
+      an independent Gaussian head: the relation of Q and K is the only difference. (P_q A with
+      a square Gaussian A would give a much less even spectrum: weight PR ~16 vs ~25 of 32.)
     - tied:        W_K^h = W_Q^h (W_Q W_K^T symmetric PSD).
     - anti_tied:   W_K^h = -W_Q^h.
     """
@@ -147,9 +151,13 @@ def init_qk(cfg: ModelConfig, g: torch.Generator) -> tuple[torch.Tensor, torch.T
 
     if cfg.qk_init == "orthogonal":
         basis, _ = torch.linalg.qr(torch.randn(H, D, 2 * E, generator=g, dtype=torch.float64))
-        a = torch.randn(H, E, E, generator=g, dtype=torch.float64)
-        b = torch.randn(H, E, E, generator=g, dtype=torch.float64)
-        w_q, w_k = scaled(basis[:, :, :E] @ a), scaled(basis[:, :, E:] @ b)
+
+        def gaussian_head_in(p: torch.Tensor) -> torch.Tensor:  # p (H, D, E) orthonormal columns
+            _, s, vh = torch.linalg.svd(torch.randn(H, D, E, generator=g, dtype=torch.float64), full_matrices=False)
+            rot, _ = torch.linalg.qr(torch.randn(H, E, E, generator=g, dtype=torch.float64))
+            return p @ rot @ (s.unsqueeze(-1) * vh)  # (H, D, E) with the Gaussian's singular values
+
+        w_q, w_k = scaled(gaussian_head_in(basis[:, :, :E])), scaled(gaussian_head_in(basis[:, :, E:]))
     else:
         w_q = scaled(torch.randn(H, D, E, generator=g, dtype=torch.float64))
         if cfg.qk_init == "independent":

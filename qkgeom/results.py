@@ -6,6 +6,7 @@
     <run>/geometry.parquet   tidy rows: step, tokens_seen, layer, head, site, metric, value
     <run>/spectra.npz        per probe: stacked spectra, first axis aligned with `step`
     <run>/checkpoints/       last.pt (resume) and step_<n>.pt (kept); torch weights-only format
+    <run>/warnings.jsonl     non-fatal numerical fallbacks of the probe (only if any happened)
     <run>/done.json          written last; its presence means the run is complete
 
 Every write is atomic (temp file + rename), so a killed run never leaves a half-written file.
@@ -85,6 +86,7 @@ class RunDir:
     spectra = property(lambda self: self.path / "spectra.npz")
     checkpoints = property(lambda self: self.path / "checkpoints")
     done = property(lambda self: self.path / "done.json")
+    warnings = property(lambda self: self.path / "warnings.jsonl")
     last_checkpoint = property(lambda self: self.checkpoints / "last.pt")
 
     def is_done(self) -> bool:
@@ -94,6 +96,11 @@ class RunDir:
     def append_metrics(self, row: dict[str, Any]) -> None:
         """One line per call (flushed: a killed process loses nothing; a torn last line is dropped on read)."""
         with open(self.metrics, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def append_warning(self, row: dict[str, Any]) -> None:
+        """A numerical fallback or other non-fatal event, one JSON line each."""
+        with open(self.warnings, "a") as f:
             f.write(json.dumps(row) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:

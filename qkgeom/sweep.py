@@ -147,6 +147,12 @@ def _check_data(runs: list[RunSpec]) -> None:
         load_corpus(data_cfg)
 
 
+def run_cost(cfg: C.RunConfig) -> float:
+    """Relative cost of a run (steps x layers x tokens per step): the pool starts the longest first
+    and the progress bar's ETA weighs finished runs by it."""
+    return float(cfg.train.steps * cfg.model.n_layers * cfg.train.batch_size * cfg.model.n_ctx)
+
+
 def default_workers(n_runs: int) -> int:
     return max(1, min(n_runs, os.cpu_count() or 1))
 
@@ -170,6 +176,33 @@ def run_one(cfg_dict: dict[str, Any], run_dir: str, threads: int = 0) -> dict[st
         rd.path.mkdir(parents=True, exist_ok=True)
         write_json(rd.path / "error.json", {"error": msg, "traceback": traceback.format_exc()})
         return {"run_id": rd.path.name, "status": "failed", "error": msg, "seconds": time.perf_counter() - tic}
+
+
+class CostBar:
+    """A tqdm bar over runs whose ETA weighs each finished run by its cost (run_cost), so a grid of
+    unequal runs (depth 4 to 8) gets an honest remaining time. ``update(1)`` marks the next run done."""
+
+    def __init__(self, runs: list[RunSpec], skipped: list[str], name: str, progress: bool) -> None:
+        self.cost = {r.run_id: run_cost(r.config) for r in runs}
+        self.total, self.n_runs = sum(self.cost.values()), len(runs)
+        self.done = len(skipped)
+        self.bar = tqdm(
+            total=round(self.total / 1e6, 1),
+            initial=round(sum(self.cost[r] for r in skipped) / 1e6, 1),
+            disable=not progress,
+            desc=name,
+            unit="M tok-layers",
+            bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]",
+        )
+        self.bar.set_postfix_str(f"{self.done}/{self.n_runs} runs")
+
+    def update(self, _n: int = 1, run_id: str | None = None) -> None:
+        self.done += 1
+        self.bar.update(round(self.cost.get(run_id, self.total / self.n_runs) / 1e6, 1))
+        self.bar.set_postfix_str(f"{self.done}/{self.n_runs} runs")
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 @dataclass
@@ -201,10 +234,11 @@ def run_sweep(
     for r in runs:
         (result.skipped if RunDir(out / r.run_id).is_done() else todo).append(r)
     result.skipped = [r.run_id for r in result.skipped]
+    todo.sort(key=lambda r: -run_cost(r.config))  # longest first: a depth-8 run never starts last
     workers = workers or default_workers(len(todo))
     threads = max(1, (os.cpu_count() or 1) // workers)
     tic = time.perf_counter()
-    bar = tqdm(total=len(runs), initial=len(result.skipped), disable=not progress, desc=spec.name, unit="run")
+    bar = CostBar(runs, result.skipped, spec.name, progress)
     statuses = _execute(todo, out, workers, threads, executor, address, bar, gpus_per_run)
     bar.close()
     for s in statuses:
@@ -238,12 +272,12 @@ def _execute(
     if workers == 1:
         for r in todo:
             statuses.append(run_one(C.to_dict(r.config), str(out / r.run_id), threads))
-            bar.update(1)
+            bar.update(1, r.run_id)
         return statuses
     # spawn: a clean interpreter per worker (fork after torch has started threads can deadlock)
     with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
         futures = [pool.submit(run_one, C.to_dict(r.config), str(out / r.run_id), threads) for r in todo]
         for f in as_completed(futures):
             statuses.append(f.result())
-            bar.update(1)
+            bar.update(1, statuses[-1]["run_id"])
     return statuses

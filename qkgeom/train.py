@@ -13,6 +13,7 @@ import hashlib
 import json
 import math
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,8 @@ from tqdm.auto import tqdm
 
 from qkgeom import config as C
 from qkgeom import interventions as I
-from qkgeom.data import Vocab, batch_offsets, fixed_offsets, gather, load_corpus
+from qkgeom.data import Vocab, atomic_write_bytes, batch_offsets, fixed_offsets, gather, load_corpus
+from qkgeom.geometry import NumericalWarning
 from qkgeom.model import GPT
 from qkgeom.probe import gpt_weights, probe_gpt
 from qkgeom.results import RunDir, provenance, read_json, write_json
@@ -77,8 +79,32 @@ def evaluate(model: GPT, data: np.ndarray, t: C.TrainConfig, n_ctx: int, device:
     return float(np.mean(losses))
 
 
+# Divergence is declared before anything is probed or checkpointed: a loss far above that of a
+# uniform prediction, or weights orders of magnitude above their initial scale (std 0.02; LayerNorm
+# gains start at 1), cannot come from a run that is still learning, and such weights make the
+# probe's eigenproblems ill-conditioned.
+DIVERGED_LOSS_FACTOR = 3.0  # x log(vocab_size), the loss of a uniform prediction
+DIVERGED_WEIGHT_RMS = 100.0
+
+
+def divergence(model: torch.nn.Module) -> str | None:
+    """Why the weights look diverged (non-finite, or a tensor's RMS above DIVERGED_WEIGHT_RMS), or None."""
+    for name, p in model.named_parameters():
+        if not torch.isfinite(p).all():
+            return f"{name} became non-finite"
+        rms = float(p.detach().pow(2).mean().sqrt())
+        if rms > DIVERGED_WEIGHT_RMS:
+            return f"{name} has RMS {rms:.3g} (> {DIVERGED_WEIGHT_RMS:g})"
+    return None
+
+
 def _prepare(cfg: C.RunConfig, rd: RunDir, resume: bool) -> None:
     """Refuse to overwrite a run; on resume, check the stored config matches."""
+    if rd.is_done():
+        stored = C.from_dict(read_json(rd.config)["config"]) if rd.config.is_file() else None
+        if stored != cfg:
+            raise TrainingError(f"run folder {rd.path} holds a finished run with a different config")
+        return
     if resume:
         if not rd.config.is_file():
             raise TrainingError(f"cannot resume: {rd.path} has no config.json")
@@ -93,29 +119,32 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
     """Train (or resume) one run into `run_dir`; returns its RunDir once done.json is written."""
     C.validate(cfg)
     rd = RunDir(run_dir)
+    _prepare(cfg, rd, resume)
     if rd.is_done():
         return rd
-    _prepare(cfg, rd, resume)
     t, m = cfg.train, cfg.model
     if t.threads:
         torch.set_num_threads(t.threads)
     device = t.device
 
-    vocab = Vocab.from_json(rd.vocab.read_text()) if resume else None
+    resumed = resume and rd.last_checkpoint.exists()  # else: start afresh in the same folder
+    vocab = Vocab.from_json(rd.vocab.read_text()) if resumed else None
     corpus = load_corpus(cfg.data, vocab)
     train_data, valid_data = corpus.splits["train"], corpus.splits["valid"]
     model = GPT(m, corpus.vocab.size, seed=t.seed).to(device)
     opt = make_optimizer(model, t)
     key_weights = gpt_weights(model)[1]  # (H, D, E) views of each W_K: in-place updates keep them valid
     control = I.KeyControl.create(cfg.intervention, key_weights, t.steps)
-    probe_idx = torch.from_numpy(
-        gather(valid_data, fixed_offsets(len(valid_data), m.n_ctx, cfg.probe.n_seqs), m.n_ctx)[0]
-    ).to(device)
+    n_probe = C.probe_n_seqs(cfg)
+    probe_idx = torch.from_numpy(gather(valid_data, fixed_offsets(len(valid_data), m.n_ctx, n_probe), m.n_ctx)[0]).to(
+        device
+    )
     schedule = set(probe_steps(t.steps, cfg.probe.every, cfg.probe.log_early))
     tokens_per_step = t.batch_size * m.n_ctx
+    loss_ceiling = DIVERGED_LOSS_FACTOR * math.log(corpus.vocab.size)
 
     start, elapsed0, geometry, spectra = 0, 0.0, [], {}
-    if resume and rd.last_checkpoint.exists():
+    if resumed:
         state = rd.load_checkpoint()
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
@@ -129,6 +158,8 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
     else:
         rd.path.mkdir(parents=True, exist_ok=True)
         rd.metrics.unlink(missing_ok=True)
+        # vocab first: a folder with config.json always has its vocabulary
+        atomic_write_bytes(rd.vocab, corpus.vocab.to_json().encode())
         write_json(
             rd.config,
             {
@@ -139,16 +170,17 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
                 "vocab_size": corpus.vocab.size,
                 "data_folder": str(corpus.folder),
                 "probe_steps": sorted(schedule),
+                "probe_n_seqs": n_probe,
+                "probe_tokens": n_probe * m.n_ctx,
                 "notes": I.notes(cfg.intervention, m.qk_init),
             },
         )
-        rd.vocab.write_text(corpus.vocab.to_json())
 
     def check_finite(step: int) -> None:
-        bad = [n for n, p in model.named_parameters() if not torch.isfinite(p).all()]
-        if bad:
+        why = divergence(model)
+        if why:
             raise TrainingError(
-                f"weights became non-finite at step {step} ({bad[0]}, ...); lower train.lr "
+                f"training diverged by step {step} ({why}); lower train.lr "
                 f"(finished records and checkpoints in {rd.path} are kept)"
             )
 
@@ -159,7 +191,11 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
         tic = time.perf_counter()
         check_finite(step)
         model.eval()
-        rows, spec = probe_gpt(model, probe_idx)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", NumericalWarning)
+            rows, spec = probe_gpt(model, probe_idx)
+        for w in caught:  # a numerical fallback is recorded, never fatal
+            rd.append_warning({"step": step, "warning": str(w.message)})
         rows += control.rows(step)
         model.train()
         geometry.extend({"step": step, "tokens_seen": step * tokens_per_step, **r} for r in rows)
@@ -194,7 +230,7 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
     model.train()
     step = start
     while True:
-        if step > start or start == 0:  # records at `start` of a resumed run already exist
+        if step > start or not resumed:  # records at `start` of a resumed run already exist
             if step in schedule:
                 record_probe(step)
             if step % t.eval_every == 0 or step == t.steps:
@@ -217,9 +253,10 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
             g["lr"] = lr
         x, y = gather(train_data, batch_offsets(len(train_data), m.n_ctx, t.batch_size, t.data_seed, step), m.n_ctx)
         loss = model.loss(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
-        if not torch.isfinite(loss):
+        loss_value = loss.item()
+        if not math.isfinite(loss_value) or loss_value > loss_ceiling:
             raise TrainingError(
-                f"loss became {loss.item()} at step {step} (lr={lr:.3g}); lower train.lr "
+                f"loss became {loss_value:.4g} at step {step} (lr={lr:.3g}); training diverged, lower train.lr "
                 f"(finished records and checkpoints in {rd.path} are kept)"
             )
         opt.zero_grad(set_to_none=True)
@@ -233,7 +270,7 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
                 "step": step,
                 "tokens_seen": step * tokens_per_step,
                 "split": "train",
-                "loss": loss.item(),
+                "loss": loss_value,
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 "elapsed": clock(),
@@ -241,7 +278,7 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
         )
         bar.update(1)
         bar.set_postfix(
-            loss=f"{loss.item():.3f}", tok_s=f"{tokens_per_step * (step - start) / (clock() - elapsed0):.0f}"
+            loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step * (step - start) / (clock() - elapsed0):.0f}"
         )
     bar.close()
     write_json(

@@ -23,9 +23,9 @@ def test_ray_executor_matches_local_pool(tmp_path, local_ray):
     spec = S.load_sweep(write_sweep(tmp_path, '"train.lr" = [3e-3, 1e6]\n"train.seed" = [0, 1]'))
     via_ray = S.run_sweep(spec, tmp_path / "ray", progress=False, executor="ray", workers=2)
     assert len(via_ray.done) == 2 and len(via_ray.failed) == 2
-    assert all("non-finite" in e for e in via_ray.failed.values())
+    assert all("diverged" in e for e in via_ray.failed.values())
     for rid in via_ray.failed:
-        assert "non-finite" in json.loads((tmp_path / "ray" / rid / "error.json").read_text())["error"]
+        assert "diverged" in json.loads((tmp_path / "ray" / rid / "error.json").read_text())["error"]
     again = S.run_sweep(spec, tmp_path / "ray", progress=False, executor="ray", workers=2)
     assert sorted(again.skipped) == sorted(via_ray.done)
     local = S.run_sweep(spec, tmp_path / "local", progress=False, executor="local", workers=2)

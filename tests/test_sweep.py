@@ -58,11 +58,11 @@ def test_pool_isolates_failures_skips_finished_and_matches_train(tmp_path):
     out = tmp_path / "runs"
     res = S.run_sweep(spec, out, workers=2, progress=False)
     assert len(res.done) == 2 and len(res.failed) == 2 and not res.skipped
-    assert all("non-finite" in e for e in res.failed.values())
+    assert all("diverged" in e for e in res.failed.values())
     manifest = json.loads((out / "sweep.json").read_text())
     assert len(manifest["runs"]) == 4
     for rid in res.failed:
-        assert "non-finite" in json.loads((out / rid / "error.json").read_text())["error"]
+        assert "diverged" in json.loads((out / rid / "error.json").read_text())["error"]
     stamps = {rid: (out / rid / "done.json").stat().st_mtime_ns for rid in res.done}
     again = S.run_sweep(spec, out, workers=2, progress=False)
     assert sorted(again.skipped) == sorted(res.done) and len(again.failed) == 2

@@ -117,7 +117,7 @@ def test_corrupt_checkpoint_gives_one_line_error(tmp_path):
         (["--set", "model.n_layers=1.5"], "expects an integer"),
         (["--set", "model.n_heads=3"], "does not divide"),
         (["--set", "train.lr=-1"], "train.lr must be positive"),
-        (["--set", "train.lr=1e6"], "non-finite"),
+        (["--set", "train.lr=1e6"], "diverged"),
     ],
 )
 def test_bad_input_one_line_nonzero(tmp_path, extra, message):
