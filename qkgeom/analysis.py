@@ -1,8 +1,10 @@
 """From run folders to tables: load_runs, seed-averaged trajectories, and the claims table.
 
-Every trajectory statistic is computed twice: over the whole run (`whole`) and over the
-post-transient window (`post-transient`: steps >= warmup_steps + transient_fraction * steps).
-The claims table reports what was measured on the user's runs, never the paper's numbers.
+Every trajectory statistic is computed over the whole run (`whole`) and over the post-transient
+window (`post-transient`: steps >= each run's transient end, detected from its data by
+stats.transient_end), and, in the sensitivity table, from fixed window starts. Statistics are
+computed within each run and aggregated over seeds, with t-intervals (right coverage at 4-5
+seeds). The claims table reports what was measured on the user's runs, never the paper's numbers.
 """
 
 from __future__ import annotations
@@ -18,10 +20,15 @@ from qkgeom import stats
 from qkgeom.results import RunDir, read_json
 
 RUN_COLUMNS = ["run_id", "n_layers", "qk_init", "seed", "data_seed", "intervention", "steps", "warmup_steps"]
-CLAIM_COLUMNS = ["study", "claim", "group", "window", "value", "ci_low", "ci_high", "n", "p_value", "detail"]
+CLAIM_COLUMNS = [
+    "study", "claim", "predicted", "group", "window", "value", "ci_low", "ci_high", "n", "seeds_agreeing",
+    "interval", "p_value", "verdict", "window_start", "detail",
+]  # fmt: skip
 # Unchanged by W_Q -> W_Q M, W_K -> W_K M^{-T}: attention, scores, W_Q W_K^T and losses. PR_Q, PR_K are not.
 GAUGE_INVARIANT_METRICS = ("attention_entropy", "logit_", "interaction_", "loss")
 WINDOWS = ("whole", "post-transient")
+TRANSIENT_TOLERANCE = 0.1  # stats.transient_end: the rebound has settled when a probe-to-probe change is <= 10%
+SENSITIVITY_STARTS = (0.0, 0.1, 0.2, 1 / 3, 0.5)  # fixed window starts (fraction of training) for the sensitivity table
 
 
 class AnalysisError(ValueError):
@@ -97,13 +104,48 @@ def load_metrics(path: str | Path) -> pd.DataFrame:
     return _load(path, lambda rd: pd.DataFrame(rd.read_metrics()))
 
 
-def window(df: pd.DataFrame, name: str, transient_fraction: float = 0.1) -> pd.DataFrame:
-    """Rows of the `whole` run or of its `post-transient` part (per run's own warm-up and length)."""
+def transient_ends(df: pd.DataFrame, tolerance: float = TRANSIENT_TOLERANCE) -> pd.Series:
+    """Per run, the step at which its early transient ends (stats.transient_end on the layer mean of
+    (PR_Q + PR_K) / 2: symmetric in Q and K, so the rule favours neither side of the contrast)."""
+    rows = df[(df["head"] == -1) & df["metric"].isin(["query_participation_ratio", "key_participation_ratio"])]
+    level = rows.groupby(["run_id", "step"])["value"].mean()
+    return level.groupby("run_id").apply(
+        lambda x: stats.transient_end(x.index.get_level_values("step").to_numpy(), x.to_numpy(), tolerance)
+    )
+
+
+def with_transient(df: pd.DataFrame, tolerance: float = TRANSIENT_TOLERANCE) -> pd.DataFrame:
+    """df with a `transient_end` column (per run); a no-op if it is there already."""
+    if "transient_end" in df:
+        return df
+    ends = transient_ends(df, tolerance)
+    return df.assign(transient_end=df["run_id"].map(ends).fillna(0).astype(int))
+
+
+def window(df: pd.DataFrame, name: str) -> pd.DataFrame:
+    """Rows of a window: `whole`, `post-transient` (steps >= the run's detected transient end;
+    needs with_transient), or `from F` (progress >= F, a fixed start for the sensitivity table)."""
     if name == "whole":
         return df
-    if name != "post-transient":
-        raise ValueError(f"unknown window {name!r}")
-    return df[df["step"] >= df["warmup_steps"] + transient_fraction * df["steps"]]
+    if name == "post-transient":
+        return df[df["step"] >= df["transient_end"]]
+    if name.startswith("from "):
+        return df[df["progress"] >= float(name.removeprefix("from ")) - 1e-9]
+    raise ValueError(f"unknown window {name!r}")
+
+
+def window_note(df: pd.DataFrame, name: str) -> str:
+    """How a window was chosen, for the claims table."""
+    if name == "whole":
+        return "all probes"
+    if name == "post-transient":
+        ends = df.groupby("run_id")["transient_end"].first()
+        frac = (ends / df.groupby("run_id")["steps"].first()).to_numpy()
+        return (
+            f"steps >= detected transient end per run (median step {ends.median():.0f}, range {ends.min()}-"
+            f"{ends.max()}; {frac.max():.0%} of training at most)"
+        )
+    return f"progress >= {name.removeprefix('from ')}"
 
 
 def layer_metric(df: pd.DataFrame, metric: str) -> pd.DataFrame:
@@ -137,87 +179,148 @@ def _groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return out
 
 
-def _row(study, claim, group, win, value, lo=np.nan, hi=np.nan, n=0, p=np.nan, detail="") -> dict:
-    return dict(zip(CLAIM_COLUMNS, [study, claim, group, win, value, lo, hi, n, p, detail], strict=True))
+def _row(study, claim, group, win, value, lo=np.nan, hi=np.nan, n=0, p=np.nan, detail="", **extra) -> dict:
+    row = dict.fromkeys(CLAIM_COLUMNS, "")
+    row.update(study=study, claim=claim, group=group, window=win, value=value, ci_low=lo, ci_high=hi, n=n)
+    row.update(p_value=p, detail=detail, **extra)
+    return row
 
 
-def claims_main(df: pd.DataFrame, transient_fraction: float = 0.1) -> pd.DataFrame:
-    """The main study's claims, per group (all, each depth, each init) and window."""
+# The paper's trajectory claims (MISSION.md): name, per-run statistic, predicted sign.
+SLOPE_CLAIMS = (
+    ("query_participation_ratio", "PR_Q grows: slope of PR_Q vs training progress", +1),
+    ("key_participation_ratio", "PR_K shrinks: slope of PR_K vs training progress", -1),
+    ("participation_ratio_contrast", "PR_Q - PR_K grows: slope of the contrast vs training progress", +1),
+)
+CORRELATION_CLAIMS = (
+    ("key_participation_ratio", "attention_entropy", "PR_K tracks attention entropy: Spearman over steps", +1),
+    ("key_participation_ratio", "interaction_rank", "PR_K tracks interaction rank: Spearman over steps", +1),
+    ("key_participation_ratio", "logit_participation_ratio", "PR_K tracks logit-spectrum PR: Spearman over steps", +1),
+    ("interaction_rank", "attention_entropy", "interaction rank tracks attention entropy: Spearman over steps", +1),
+)
+CONTRAST_CLAIM = "PR_Q - PR_K > 0 at every probe of the window (seed-averaged trajectories)"
+CONTRAST_HOLDS, CONTRAST_FAILS = 0.9, 0.5  # share of trajectories; see docs/GLOSSARY.md, "Verdicts"
+
+
+def per_run_statistics(w: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run, layer): slopes vs progress, within-run Spearman correlations over probe
+    steps, and the window-mean contrast. Statistics never pool probe steps across runs."""
+    layer_rows = w[w["head"] == -1].pivot_table(
+        index=["run_id", "seed", "qk_init", "n_layers", "layer", "step", "progress"], columns="metric", values="value"
+    )
+    out = []
+    for key, g in layer_rows.groupby(level=["run_id", "seed", "qk_init", "n_layers", "layer"]):
+        prog = g.index.get_level_values("progress").to_numpy()
+        row = dict(zip(["run_id", "seed", "qk_init", "n_layers", "layer"], key, strict=True))
+        for metric, _, _ in SLOPE_CLAIMS:
+            row[f"slope:{metric}"] = stats.slope(prog, g[metric]) if metric in g else np.nan
+        for x, y, _, _ in CORRELATION_CLAIMS:
+            row[f"rho:{x}:{y}"] = stats.spearman(g[x], g[y])[0] if x in g and y in g else np.nan
+        c = g.get("participation_ratio_contrast")
+        row["contrast_mean"] = float(c.mean()) if c is not None else np.nan
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def _seed_rows(per_run: pd.DataFrame, column: str, claim: str, sign: int, group: str, win: str, note: str) -> dict:
+    """Mean over layers and runs per seed, then the mean with a t-interval over seeds and a verdict."""
+    per_seed = per_run.groupby("seed")[column].mean().dropna()
+    v = per_seed.to_numpy()
+    lo, hi = stats.t_mean_ci(v)
+    agree = int(np.sum(np.sign(v) == sign))
+    return _row(
+        "main",
+        claim,
+        group,
+        win,
+        float(v.mean()) if len(v) else np.nan,
+        lo,
+        hi,
+        len(v),
+        stats.t_test_p(v),
+        detail=f"per-seed values {np.round(v, 4).tolist()}",
+        predicted="+" if sign > 0 else "-",
+        seeds_agreeing=f"{agree}/{len(v)}",
+        interval="95% t over seeds",
+        window_start=note,
+        verdict=stats.verdict(lo, hi, sign),
+    )
+
+
+def _contrast_row(w: pd.DataFrame, per_run: pd.DataFrame, group: str, win: str, note: str) -> dict:
+    contrast = layer_metric(w, "participation_ratio_contrast")
+    seed_mean = contrast.groupby(["qk_init", "n_layers", "layer", "step"])["value"].mean()
+    traj_min = seed_mean.groupby(["qk_init", "n_layers", "layer"]).min()
+    n = len(traj_min)
+    share = float((traj_min > 0).mean()) if n else np.nan
+    # seed agreement: per trajectory, the seeds whose window-mean contrast is positive
+    agree = per_run.groupby(["qk_init", "n_layers", "layer"])["contrast_mean"].apply(lambda x: int((x > 0).sum()))
+    n_seeds = per_run["seed"].nunique()
+    per_seed_share = per_run.groupby("seed")["contrast_mean"].apply(lambda x: float((x > 0).mean()))
+    lo, hi = stats.t_mean_ci(per_seed_share.to_numpy())
+    verdict = "holds" if share >= CONTRAST_HOLDS else "fails" if share < CONTRAST_FAILS else "inconclusive"
+    return _row(
+        "main",
+        CONTRAST_CLAIM,
+        group,
+        win,
+        share,
+        lo,
+        hi,
+        n_seeds,
+        detail=(
+            f"{int((traj_min > 0).sum())}/{n} trajectories; trajectories whose window-mean contrast is > 0 in every "
+            f"seed: {int((agree == n_seeds).sum())}/{n}; interval: per-seed share of layers with window-mean "
+            "contrast > 0"
+        ),
+        predicted="all > 0",
+        seeds_agreeing=f"{int((agree == n_seeds).sum())}/{n} trajectories in all seeds",
+        interval="95% t over seeds (per-seed share)",
+        window_start=note,
+        verdict=verdict,
+    )
+
+
+def claims_main(df: pd.DataFrame, windows: tuple[str, ...] = WINDOWS, groups: bool = True) -> pd.DataFrame:
+    """The main study's claims per group (all, each depth, each init) and window, each with n (seeds),
+    a 95% t-interval over seeds, seeds agreeing, the window's rule and a verdict (docs/GLOSSARY.md)."""
+    df = with_transient(df)
     rows = []
-    for win in WINDOWS:
-        w = window(df, win, transient_fraction)
-        traj = trajectories(w)
-        for group, g in _groups(w):
-            tg = traj[traj.set_index(["qk_init", "n_layers"]).index.isin(g.set_index(["qk_init", "n_layers"]).index)]
-            contrast = tg[tg["metric"] == "participation_ratio_contrast"]
-            per_traj = contrast.sort_values("step").groupby(["qk_init", "n_layers", "layer"])["mean"]
-            if len(per_traj):
-                throughout, at_end = (per_traj.min() > 0), (per_traj.last() > 0)
-                n = len(throughout)
-                rows.append(
-                    _row(
-                        "main",
-                        "trajectories with PR_Q - PR_K > 0 at every probe",
-                        group,
-                        win,
-                        throughout.mean(),
-                        n=n,
-                        detail=f"{int(throughout.sum())}/{n} seed-averaged layers",
-                    )
-                )
-                rows.append(
-                    _row(
-                        "main",
-                        "trajectories with PR_Q - PR_K > 0 at the end",
-                        group,
-                        win,
-                        at_end.mean(),
-                        n=n,
-                        detail=f"{int(at_end.sum())}/{n} seed-averaged layers",
-                    )
-                )
-            for metric, label in (
-                ("query_participation_ratio", "slope of PR_Q vs training progress"),
-                ("key_participation_ratio", "slope of PR_K vs training progress"),
-                ("participation_ratio_contrast", "slope of PR_Q - PR_K vs training progress"),
-            ):
-                lm = layer_metric(g, metric)
-                per_run_layer = lm.groupby(["run_id", "seed", "layer"]).apply(
-                    lambda x: stats.slope(x["progress"], x["value"]), include_groups=False
-                )
-                per_seed = per_run_layer.groupby("seed").mean().dropna()
-                if len(per_seed):
-                    lo, hi = stats.bootstrap_mean_ci(per_seed.to_numpy())
-                    rows.append(
-                        _row(
-                            "main",
-                            label,
-                            group,
-                            win,
-                            per_seed.mean(),
-                            lo,
-                            hi,
-                            len(per_seed),
-                            detail="mean over layers and runs; 95% bootstrap CI over seeds",
-                        )
-                    )
-            layer_rows = g[g["head"] == -1].pivot_table(
-                index=["run_id", "layer", "step"], columns="metric", values="value"
-            )
-            for x, y, label in (
-                ("key_participation_ratio", "attention_entropy", "Spearman PR_K vs attention entropy"),
-                ("interaction_rank", "attention_entropy", "Spearman interaction rank vs attention entropy"),
-                ("key_participation_ratio", "interaction_rank", "Spearman PR_K vs interaction rank"),
-                ("key_participation_ratio", "logit_participation_ratio", "Spearman PR_K vs logit-spectrum PR"),
-            ):
-                if x in layer_rows and y in layer_rows:
-                    rho, p, n = stats.spearman(layer_rows[x].to_numpy(), layer_rows[y].to_numpy())
-                    rows.append(
-                        _row(
-                            "main", label, group, win, rho, n=n, p=p, detail="pooled over runs, layers and probe steps"
-                        )
-                    )
+    for win in windows:
+        w = window(df, win)
+        note = window_note(w, win)
+        for group, g in _groups(w) if groups else [("all", w)]:
+            per_run = per_run_statistics(g)
+            if per_run.empty:
+                continue
+            rows.append(_contrast_row(g, per_run, group, win, note))
+            for metric, claim, sign in SLOPE_CLAIMS:
+                rows.append(_seed_rows(per_run, f"slope:{metric}", claim, sign, group, win, note))
+            for x, y, claim, sign in CORRELATION_CLAIMS:
+                rows.append(_seed_rows(per_run, f"rho:{x}:{y}", claim, sign, group, win, note))
     return _finish(rows)
+
+
+def sensitivity(df: pd.DataFrame) -> pd.DataFrame:
+    """Every main claim (group `all`) at the detected window and at fixed window starts."""
+    return claims_main(df, ("post-transient", *(f"from {f:g}" for f in SENSITIVITY_STARTS)), groups=False)
+
+
+def seed_agreement(df: pd.DataFrame) -> pd.DataFrame:
+    """Per seed-averaged trajectory (init, depth, layer), post-transient: how many seeds show each
+    predicted sign (PR_Q slope > 0, PR_K slope < 0, window-mean contrast > 0)."""
+    per_run = per_run_statistics(window(with_transient(df), "post-transient"))
+    keys = ["qk_init", "n_layers", "layer"]
+    return (
+        per_run.groupby(keys)
+        .agg(
+            n_seeds=("seed", "nunique"),
+            pr_q_slope_positive=("slope:query_participation_ratio", lambda x: int((x > 0).sum())),
+            pr_k_slope_negative=("slope:key_participation_ratio", lambda x: int((x < 0).sum())),
+            contrast_positive=("contrast_mean", lambda x: int((x > 0).sum())),
+        )
+        .reset_index()
+    )
 
 
 PREDICTED_ENTROPY_SIGN = {"shrink": -1, "hold": +1}  # MISSION.md: shrink sharpens, hold softens
@@ -236,29 +339,33 @@ def _direction_rows(diffs: pd.Series, claim: str, group: str, win: str, sign: in
     if diffs.empty:
         return []
     v = diffs.to_numpy()
-    lo, hi = stats.bootstrap_mean_ci(v)
-    detail, p = f"per-seed diffs {np.round(v, 4).tolist()}", np.nan
+    lo, hi = stats.t_mean_ci(v)
+    detail, p, extra = f"per-seed diffs {np.round(v, 4).tolist()}", np.nan, {}
     if sign is not None:
         k, n, p = stats.sign_test(v, sign)
         direction = stats.probability_of_direction(v, sign)
-        detail = (
-            f"{k}/{n} seeds with predicted sign ({'+' if sign > 0 else '-'}); "
-            f"probability of direction {direction:.3f}; {detail}"
+        detail = f"sign test p = {p:.3g}; probability of direction {direction:.3f}; {detail}"
+        extra = dict(predicted="+" if sign > 0 else "-", seeds_agreeing=f"{k}/{n}", verdict=stats.verdict(lo, hi, sign))
+    return [
+        _row(
+            "intervention", claim, group, win, diffs.mean(), lo, hi, len(diffs), p, detail=detail,
+            interval="95% t over seeds (paired)", **extra,
         )
-    return [_row("intervention", claim, group, win, diffs.mean(), lo, hi, len(diffs), p, detail=detail)]
+    ]  # fmt: skip
 
 
-def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame, transient_fraction: float = 0.1) -> pd.DataFrame:
+def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame:
     """Paired-by-seed effects of hold/shrink against none on attention entropy and validation loss.
 
     Outcomes: attention entropy (nats) at the final probe and averaged over the post-transient
     window, as the mean over layers and per layer; final validation loss. The sign test is
-    two-sided at 1/2; CIs are 95% bootstrap CIs of the mean paired difference.
+    two-sided at 1/2; CIs are 95% t-intervals of the mean paired difference over seeds.
     """
     rows: list[dict] = []
+    df = with_transient(df)
     ent = layer_metric(df, "attention_entropy")
     final = ent[ent["step"] == ent["steps"]]
-    late = window(ent, "post-transient", transient_fraction)
+    late = window(ent, "post-transient")
     for kind, sign in PREDICTED_ENTROPY_SIGN.items():
         for win, src in (("final", final), ("post-transient mean", late)):
             mean_over_layers = src.groupby(["intervention", "seed"])["value"].mean()

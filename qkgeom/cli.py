@@ -103,11 +103,11 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true", help="list the runs (and which are done) without running")
 
 
-def _analyze(path: str | Path, transient_fraction: float):
+def _analyze(path: str | Path):
     """Analyse a folder of runs, printing one warning line per skipped run."""
     from qkgeom.report import analyze
 
-    a = analyze(path, transient_fraction)
+    a = analyze(path)
     for msg in a.skipped:
         print(f"warning: {msg}", file=sys.stderr)
     return a
@@ -116,7 +116,7 @@ def _analyze(path: str | Path, transient_fraction: float):
 def cmd_analyze(args: argparse.Namespace) -> int:
     from qkgeom.report import format_claims
 
-    a = _analyze(args.dir, args.transient_fraction)
+    a = _analyze(args.dir)
     print(format_claims(a.claims))
     n_traj = a.trajectories.groupby(["intervention", "qk_init", "n_layers", "layer"]).ngroups
     print(
@@ -129,7 +129,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 def cmd_report(args: argparse.Namespace) -> int:
     from qkgeom.report import write_report
 
-    print(f"report: {write_report(_analyze(args.dir, args.transient_fraction))}")
+    print(f"report: {write_report(_analyze(args.dir))}")
     return 0
 
 
@@ -139,7 +139,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     _, out, res = _sweep(args)
     if res is None:  # --dry-run
         return 0
-    a = _analyze(out, args.transient_fraction)
+    a = _analyze(out)
     print(format_claims(a.claims))
     print(f"\nreport: {write_report(a)}\ntables: {out / 'claims.csv'}, {out / 'summary.csv'}")
     return 1 if res.failed else 0
@@ -244,20 +244,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sweep_args(p)
     p.set_defaults(fn=cmd_sweep)
 
-    tf = dict(
-        type=float,
-        default=0.1,
-        metavar="F",
-        help="post-transient window starts at warmup_steps + F * steps (default 0.1)",
-    )
     p = sub.add_parser(
         "analyze",
         help="claims table and seed-averaged trajectories of a folder of runs",
         description="Load every finished run under DIR (unfinished or corrupt ones are skipped with a "
-        "warning), write summary.parquet/csv and claims.parquet/csv, print the claims.",
+        "warning), write summary, claims, sensitivity and seed_agreement tables (.parquet and .csv) and "
+        "print the verdicts. The post-transient window starts at each run's detected transient end "
+        "(docs/GLOSSARY.md, 'Windows'); the sensitivity table repeats every claim from fixed starts.",
     )
     p.add_argument("dir", help="a sweep folder, a folder of runs, or one run folder")
-    p.add_argument("--transient-fraction", **tf)
     p.set_defaults(fn=cmd_analyze)
 
     p = sub.add_parser(
@@ -266,7 +261,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Analyse DIR and write DIR/report/index.html (figures embedded) and the PNGs.",
     )
     p.add_argument("dir", help="a sweep folder, a folder of runs, or one run folder")
-    p.add_argument("--transient-fraction", **tf)
     p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser(
@@ -276,7 +270,6 @@ def build_parser() -> argparse.ArgumentParser:
         "sweep file end to end and print where the report is.",
     )
     _add_sweep_args(p)
-    p.add_argument("--transient-fraction", **tf)
     p.set_defaults(fn=cmd_study)
 
     p = sub.add_parser(

@@ -43,6 +43,8 @@ def pr_trajectories(df: pd.DataFrame) -> Figure:
                 m = sub[sub["metric"] == f"{side}_participation_ratio"]
                 per_run = m.groupby(["step", "run_id"])["value"].mean().unstack("run_id")
                 _band(ax, per_run, COLORS[side], f"PR_{side[0].upper()}")
+            if "transient_end" in sub and len(sub):
+                ax.axvline(sub["transient_end"].median(), color="k", ls=":", lw=1, label="transient end (median)")
             ax.set_xscale("symlog", linthresh=1)
             ax.set_title(f"depth {d}, {init}", fontsize=9)
             if j == 0:
@@ -202,5 +204,24 @@ def family_contrast(geometry: pd.DataFrame, revisions: pd.DataFrame) -> Figure:
         ax.set_title(f"site: {site}")
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle("Paired contrast across the checkpoint family")
+    fig.tight_layout()
+    return fig
+
+
+def sensitivity(claims: pd.DataFrame) -> Figure:
+    """Each claim's value with its 95% interval (over seeds) against the window it was judged in."""
+    names = list(dict.fromkeys(claims["claim"]))
+    fig, axes = plt.subplots(len(names), 1, figsize=(7, 1.6 * len(names)), squeeze=False, sharex=True)
+    for ax, name in zip(axes[:, 0], names, strict=True):
+        c = claims[claims["claim"] == name]
+        x = np.arange(len(c))
+        v, lo, hi = (c[k].astype(float).to_numpy() for k in ("value", "ci_low", "ci_high"))
+        colors = [{"holds": "tab:green", "fails": "tab:red"}.get(x, "tab:gray") for x in c["verdict"]]
+        ax.errorbar(x, v, yerr=[v - lo, hi - v], fmt="none", ecolor="0.5", capsize=3)
+        ax.scatter(x, v, c=colors, zorder=3)
+        ax.axhline(0, color="k", lw=0.6)
+        ax.set_title(name, fontsize=8, loc="left")
+        ax.set_xticks(x, list(c["window"]), fontsize=8)
+    fig.suptitle("Window sensitivity (green: holds, red: fails, gray: inconclusive)", fontsize=10)
     fig.tight_layout()
     return fig

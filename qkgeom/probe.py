@@ -158,12 +158,19 @@ class GeometryAccumulator:
         for li, st in enumerate(self.layers):
             head_eigs = {}
             for side, acc, n_heads in (("query", st.q_all, st.n_q_heads), ("key", st.k_all, st.n_k_heads)):
-                for name, v in G.spectrum_summary(acc.eigenvalues()).items():
-                    add(li, -1, f"{side}_{name}", v)
                 head_eigs[side] = acc.block_eigenvalues(n_heads)
-                for name, vals in G.spectrum_summary(head_eigs[side]).items():
-                    for h, v in enumerate(vals.tolist()):
-                        add(li, h, f"{side}_{name}", v)
+                for head, eigs in ((-1, acc.eigenvalues()), (None, head_eigs[side])):
+                    summary = G.spectrum_summary(eigs)
+                    if acc.n >= 3:
+                        summary["participation_ratio_bias_corrected"] = G.participation_ratio_bias_corrected(
+                            eigs, acc.n
+                        )
+                    for name, vals in summary.items():
+                        if head == -1:
+                            add(li, -1, f"{side}_{name}", vals)
+                        else:
+                            for h, v in enumerate(vals.tolist()):
+                                add(li, h, f"{side}_{name}", v)
             pr_q = G.participation_ratio(head_eigs["query"])
             pr_k = G.participation_ratio(head_eigs["key"])
             group = len(pr_q) // len(pr_k)

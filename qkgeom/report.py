@@ -32,7 +32,7 @@ class Analysis:
     metrics: pd.DataFrame
     trajectories: pd.DataFrame
     claims: pd.DataFrame
-    transient_fraction: float
+    sensitivity: pd.DataFrame
     skipped: list[str] = field(default_factory=list)
 
     @property
@@ -40,39 +40,79 @@ class Analysis:
         return self.geometry["intervention"].nunique() > 1
 
 
-def analyze(path: str | Path, transient_fraction: float = 0.1) -> Analysis:
+def analyze(path: str | Path) -> Analysis:
     """Load every finished run under `path`, compute trajectories and claims, write the tables."""
     path = Path(path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", A.RunWarning)
         geometry, metrics = A.load_runs(path), A.load_metrics(path)
     skipped = sorted({str(w.message) for w in caught if issubclass(w.category, A.RunWarning)})
+    geometry = A.with_transient(geometry)
     traj = A.trajectories(geometry)
     parts = []
     if geometry["intervention"].nunique() > 1:
-        parts.append(A.claims_intervention(geometry, metrics, transient_fraction))
+        parts.append(A.claims_intervention(geometry, metrics))
     base = geometry[geometry["intervention"] == "none"]
+    sens = pd.DataFrame(columns=A.CLAIM_COLUMNS)
+    tables = {}
     if len(base) and (base["n_layers"].nunique() > 1 or base["qk_init"].nunique() > 1 or not parts):
-        parts.append(A.claims_main(base, transient_fraction))
+        parts.append(A.claims_main(base))
+        sens = A.sensitivity(base)
+        tables = {"sensitivity": sens, "seed_agreement": A.seed_agreement(base)}
     claims = pd.concat(parts, ignore_index=True)
-    for name, df in (("summary", traj), ("claims", claims)):
+    for name, df in {"summary": traj, "claims": claims, **tables}.items():
         buf = io.BytesIO()
         df.to_parquet(buf, index=False)
         atomic_write_bytes(path / f"{name}.parquet", buf.getvalue())
         atomic_write_bytes(path / f"{name}.csv", df.to_csv(index=False).encode())
-    return Analysis(path, geometry, metrics, traj, claims, transient_fraction, skipped)
+    return Analysis(path, geometry, metrics, traj, claims, sens, skipped)
+
+
+VERDICT_WINDOWS = ("post-transient", "final", "post-transient mean")
+
+
+def verdicts(claims: pd.DataFrame) -> pd.DataFrame:
+    """One line per claim of the paper: predicted direction, measured effect [95% interval], n, seeds
+    agreeing, window and verdict (group `all` / `mean over layers`, the windows the claims live in)."""
+    sel = claims[
+        (claims["verdict"] != "")
+        & claims["group"].isin(["all", "mean over layers"])
+        & claims["window"].isin(VERDICT_WINDOWS)
+    ]
+
+    def fmt(v: float) -> str:
+        return "" if pd.isna(v) else f"{v:.3g}"
+
+    return pd.DataFrame(
+        {
+            "claim": sel["claim"],
+            "predicted": sel["predicted"],
+            "measured [95% CI]": [
+                f"{fmt(v)} [{fmt(lo)}, {fmt(hi)}]"
+                for v, lo, hi in sel[["value", "ci_low", "ci_high"]].itertuples(index=False)
+            ],
+            "n": sel["n"],
+            "seeds agreeing": sel["seeds_agreeing"],
+            "window": sel["window"],
+            "verdict": sel["verdict"],
+        }
+    ).reset_index(drop=True)
 
 
 def format_claims(claims: pd.DataFrame) -> str:
-    """The claims table as aligned text for the terminal."""
+    """The verdicts first, then the claims table per group, as aligned text for the terminal."""
     show = claims[~claims["group"].str.startswith("layer=")].copy()
     for c in ("value", "ci_low", "ci_high"):
         show[c] = show[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
-    show["p_value"] = show["p_value"].map(lambda v: "" if pd.isna(v) else f"{v:.2g}")
     show["ci"] = np.where(show["ci_low"] != "", "[" + show["ci_low"] + ", " + show["ci_high"] + "]", "")
-    cols = ["claim", "group", "window", "value", "ci", "n", "p_value", "gauge_invariant"]
-    with pd.option_context("display.width", 250, "display.max_colwidth", 60, "display.max_rows", 500):
-        return show[cols].to_string(index=False)
+    cols = ["claim", "group", "window", "value", "ci", "n", "seeds_agreeing", "verdict"]
+    with pd.option_context("display.width", 250, "display.max_colwidth", 70, "display.max_rows", 500):
+        return (
+            "VERDICTS\n"
+            + verdicts(claims).to_string(index=False)
+            + "\n\nALL CLAIMS\n"
+            + show[cols].to_string(index=False)
+        )
 
 
 def _png(fig) -> bytes:
@@ -123,6 +163,11 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
         figs["pr_trajectories"] = ("PR_Q and PR_K (layer mean) per depth and init.", plots.pr_trajectories(base))
         figs["contrast_heatmap"] = ("PR_Q - PR_K per layer over training (seed mean).", plots.contrast_heatmap(base))
         figs["entropy_vs_prk"] = ("Attention entropy against PR_K.", plots.entropy_vs_prk(base))
+        if len(a.sensitivity):
+            figs["window_sensitivity"] = (
+                "Each claim (all runs) judged from the detected transient end and from fixed window starts.",
+                plots.sensitivity(a.sensitivity),
+            )
         if not a.is_intervention:
             figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "qk_init"))
     spectra = _spectra_by_init(a)
@@ -163,7 +208,6 @@ code{background:#f5f5f5;padding:0 3px}"""
 
 def write_report(a: Analysis) -> Path:
     """Write <dir>/report/index.html (self-contained) and report/*.png for an analysed folder."""
-    transient_fraction = a.transient_fraction
     out = a.path / "report"
     out.mkdir(parents=True, exist_ok=True)
     figs = figures(a)
@@ -176,15 +220,17 @@ def write_report(a: Analysis) -> Path:
     parts = [
         f"<h1>qkgeom report: {html.escape(a.path.name)}</h1>",
         f"<p>{n_runs} finished runs; generated {time.strftime('%Y-%m-%d %H:%M:%S')}. Windows: <b>whole</b> run and "
-        f"<b>post-transient</b> (steps &ge; warm-up + {transient_fraction:g} &times; steps). "
+        "<b>post-transient</b> (from each run's detected transient end; rule in docs/GLOSSARY.md). Intervals are "
+        "95% t-intervals over seeds; verdicts follow the written rules in docs/GLOSSARY.md. "
         "Figures are measured on these runs; nothing is taken from the paper.</p>",
+        "<h2>Verdicts</h2>",
+        verdicts(a.claims).to_html(index=False, escape=True),
         "<p><b>Gauge note.</b> PR_Q and PR_K change under W_Q &rarr; W_Q M, W_K &rarr; W_K M<sup>-T</sup>, "
         "while attention, the score spectrum and W_Q W_K<sup>T</sup> do not; the column "
         "<code>gauge_invariant</code> marks claims that involve only the latter.</p>",
     ]
     if a.skipped:
         parts.append("<p class='warn'>Skipped: " + "<br>".join(html.escape(s) for s in a.skipped) + "</p>")
-    parts += ["<h2>Claims table</h2>", claims.to_html(index=False, escape=True)]
     parts.append("<h2>Figures</h2>")
     for name, (cap, png) in figs.items():
         data = base64.b64encode(png).decode()
@@ -192,6 +238,17 @@ def write_report(a: Analysis) -> Path:
             f"<figure><img alt='{name}' src='data:image/png;base64,{data}'>"
             f"<figcaption>{html.escape(cap)} ({name}.png)</figcaption></figure>"
         )
+    parts += [
+        "<details><summary><b>Full claims table</b> (every group and window)</summary>",
+        claims.to_html(index=False, escape=True),
+        "</details>",
+    ]
+    if len(a.sensitivity):
+        parts += [
+            "<details><summary><b>Window sensitivity table</b></summary>",
+            a.sensitivity.to_html(index=False, escape=True, float_format=lambda v: f"{v:.4g}"),
+            "</details>",
+        ]
     parts += ["<h2>Provenance</h2>", _provenance(a).to_html(index=False, escape=True)]
     doc = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>qkgeom report: {html.escape(a.path.name)}"

@@ -1,7 +1,12 @@
 """Pure statistics for the claims table: arrays in, numbers out (scipy underneath).
 
 - slope:                 OLS slope of y on x (scipy.stats.linregress).
-- bootstrap_mean_ci:     percentile CI of the mean by resampling units (scipy.stats.bootstrap).
+- t_mean_ci:             Student-t CI of the mean over independent units (seeds); exact coverage for
+                         normal data at any n >= 2, which a percentile bootstrap lacks at n = 4-5 (~80%).
+- bootstrap_mean_ci:     percentile CI of the mean by resampling units (scipy.stats.bootstrap); kept for
+                         large n only.
+- transient_end:         the data-driven end of the early transient of a PR trajectory (rule below).
+- verdict:               holds / fails / inconclusive from a CI and a predicted sign.
 - sign_test:             two-sided binomial test of the count of positive signs (scipy.stats.binomtest).
 - probability_of_direction: share of the bootstrap distribution of the mean on the predicted side.
 - spearman:              rank correlation and p-value (scipy.stats.spearmanr).
@@ -21,6 +26,66 @@ def slope(x: np.ndarray, y: np.ndarray) -> float:
     if len(np.unique(x)) < 2:
         return math.nan
     return float(S.linregress(x, y).slope)
+
+
+def t_mean_ci(values: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+    """Student-t CI of the mean: mean +- t_{n-1, (1+level)/2} * sd / sqrt(n), over the finite values.
+
+    Units must be independent (seeds, not probe steps). (nan, nan) with fewer than two values;
+    a zero-width interval when all values are equal.
+    """
+    v = np.asarray(values, float)
+    v = v[np.isfinite(v)]
+    if len(v) < 2:
+        return math.nan, math.nan
+    half = float(S.t.ppf((1 + level) / 2, len(v) - 1) * v.std(ddof=1) / math.sqrt(len(v)))
+    return float(v.mean() - half), float(v.mean() + half)
+
+
+def t_test_p(values: np.ndarray) -> float:
+    """Two-sided one-sample t-test p-value of mean = 0 over independent units; NaN below n = 2."""
+    v = np.asarray(values, float)
+    v = v[np.isfinite(v)]
+    if len(v) < 2 or np.all(v == v[0]):
+        return math.nan
+    return float(S.ttest_1samp(v, 0.0).pvalue)
+
+
+def verdict(lo: float, hi: float, predicted_sign: int) -> str:
+    """`holds` if the CI excludes 0 on the predicted side, `fails` if it excludes 0 on the other
+    side, else `inconclusive` (also for a NaN interval)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "inconclusive"
+    if (predicted_sign > 0 and lo > 0) or (predicted_sign < 0 and hi < 0):
+        return "holds"
+    if (predicted_sign > 0 and hi < 0) or (predicted_sign < 0 and lo > 0):
+        return "fails"
+    return "inconclusive"
+
+
+def transient_end(steps: np.ndarray, level: np.ndarray, tolerance: float = 0.1) -> int:
+    """The step at which the early transient of a PR trajectory ends (MISSION.md: both PRs collapse
+    together in warm-up, then rebound). `level` is a symmetric Q/K summary per probe step, e.g. the
+    layer mean of (PR_Q + PR_K) / 2, so the rule favours neither side of the contrast.
+
+    Rule: (1) the collapse is the first probe at which the level is <= half its step-0 value (no
+    such probe: no transient, return the first step); (2) follow it down to its local minimum;
+    (3) the transient ends at the first probe from there whose change to the next probe is at most
+    `tolerance` (relative), i.e. when the rebound has settled. Returns the last step if it never
+    settles.
+    """
+    steps, s = np.asarray(steps), np.asarray(level, float)
+    order = np.argsort(steps)
+    steps, s = steps[order], s[order]
+    below = np.nonzero(s <= 0.5 * s[0])[0]
+    if len(below) == 0:
+        return int(steps[0])
+    i = int(below[0])
+    while i + 1 < len(s) and s[i + 1] < s[i]:
+        i += 1
+    while i + 1 < len(s) and abs(s[i + 1] - s[i]) > tolerance * abs(s[i]):
+        i += 1
+    return int(steps[i])
 
 
 def bootstrap_mean_ci(

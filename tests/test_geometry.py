@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -118,3 +119,77 @@ def test_logit_singular_values_do_not_overflow_on_huge_scores():
     sv = G.logit_singular_values(q, k)
     ref = torch.linalg.svdvals(torch.tril(q @ k.transpose(-1, -2) / 3**0.5))
     assert torch.isfinite(sv).all() and torch.allclose(sv[..., 0], ref[..., 0], rtol=1e-5)
+
+
+def _gaussian(spectrum: torch.Tensor, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, len(spectrum), generator=g, dtype=torch.float64) * spectrum.sqrt()
+
+
+@pytest.mark.parametrize("kind", ["isotropic", "decaying"])
+def test_pr_small_sample_bias_and_its_correction(kind):
+    # the probe's default: a d = 128 covariance from 10 x 128 tokens (GLOSSARY.md states these figures)
+    d, n = 128, 1280
+    spectrum = torch.ones(d, dtype=torch.float64) if kind == "isotropic" else 1 / torch.arange(1, d + 1.0)
+    true = G.participation_ratio(spectrum).item()
+    naive, corrected = [], []
+    for seed in range(20):
+        ev = G.covariance_eigenvalues(_gaussian(spectrum, n, seed))
+        naive.append(G.participation_ratio(ev).item())
+        corrected.append(G.participation_ratio_bias_corrected(ev, n).item())
+    bias_naive = np.mean(naive) / true - 1
+    bias_corrected = np.mean(corrected) / true - 1
+    assert bias_naive < -0.04 if kind == "isotropic" else bias_naive < -0.01  # plug-in PR is biased low
+    assert abs(bias_corrected) < 0.01  # the corrected estimator is unbiased to within 1%
+    assert abs(bias_corrected) < abs(bias_naive) / 2
+
+
+def test_bias_corrected_pr_exact_in_expectation_for_isotropic():
+    # d = 2, isotropic: the estimator's expectation is exactly d; check over many small samples
+    ev = torch.stack(
+        [G.covariance_eigenvalues(_gaussian(torch.ones(2, dtype=torch.float64), 50, s)) for s in range(4000)]
+    )
+    pr = G.participation_ratio_bias_corrected(ev, 50)
+    assert pr.mean().item() == pytest.approx(2.0, rel=0.02)
+    with pytest.raises(ValueError, match="n >= 3"):
+        G.participation_ratio_bias_corrected(ev[0], 2)
+
+
+def test_robust_eigvalsh_falls_back_instead_of_raising(monkeypatch):
+    a = torch.randn(5, 5, dtype=torch.float64)
+    psd = a @ a.T
+    ref = torch.linalg.eigvalsh(psd)
+    # 1e200 overflows float32 to inf on every CPU: the float32 route fails, float64 answers
+    with pytest.warns(G.NumericalWarning, match="used float64"):
+        ev = G.robust_eigvalsh(psd * 1e200, fast=True)
+    assert torch.allclose(ev / 1e200, ref, rtol=1e-10)
+    # every eigvalsh route failing (as LAPACK may on ill-conditioned input on some CPUs): the SVD route
+    real = torch.linalg.eigvalsh
+
+    def failing(m):
+        raise torch.linalg.LinAlgError("failed to converge (simulated)")
+
+    monkeypatch.setattr(torch.linalg, "eigvalsh", failing)
+    with pytest.warns(G.NumericalWarning, match="SVD route"):
+        ev = G.robust_eigvalsh(psd, fast=True)
+    assert torch.allclose(ev, ref, rtol=1e-10)
+    monkeypatch.setattr(torch.linalg, "eigvalsh", real)
+    # non-finite input: NaN with a warning, never an exception
+    bad = psd.clone()
+    bad[0, 0] = float("nan")
+    with pytest.warns(G.NumericalWarning, match="NaN"):
+        ev = G.robust_eigvalsh(bad)
+    assert torch.isnan(ev).all() and ev.shape == (5,)
+
+
+def test_logit_spectrum_of_huge_and_nonfinite_scores_never_raises():
+    q = torch.randn(2, 3, 16, 8, dtype=torch.float64) * 1e150  # huge weights: scores ~1e300
+    k = torch.randn(2, 3, 16, 8, dtype=torch.float64) * 1e150
+    sv = G.logit_singular_values(q, k)
+    ref = torch.linalg.svdvals(torch.tril(q @ k.transpose(-1, -2) / math.sqrt(8)))
+    top = ref[..., :1]
+    assert torch.allclose((sv / top) ** 2, (ref / top) ** 2, atol=1e-5)  # float32 route: error relative to s_max^2
+    q[0, 0, 0, 0] = float("inf")
+    with pytest.warns(G.NumericalWarning):
+        sv = G.logit_singular_values(q, k)
+    assert torch.isnan(sv[0, 0]).all() and torch.isfinite(sv[1]).all()

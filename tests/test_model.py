@@ -27,6 +27,24 @@ def test_orthogonal_init_reads_orthogonal_subspaces():
         assert torch.linalg.matrix_rank(wq[0]) == 8
 
 
+def test_orthogonal_init_matches_independent_singular_values():
+    # the init comparison must differ only in how Q and K relate: over 20 seeds, the per-head
+    # weight PR (PR of squared singular values) of orthogonal is within 5% of independent's
+    from qkgeom import geometry as G
+
+    def mean_weight_pr(kind: str) -> float:
+        prs = []
+        for seed in range(20):
+            m = GPT(C.ModelConfig(n_layers=1, d_model=128, n_heads=4, n_ctx=8, qk_init=kind), vocab_size=11, seed=seed)
+            for w in per_head(m):
+                prs.append(G.interaction_rank(G.singular_values(w)).mean().item())
+        return sum(prs) / len(prs)
+
+    ind, orth = mean_weight_pr("independent"), mean_weight_pr("orthogonal")
+    assert orth == pytest.approx(ind, rel=0.05)
+    assert ind == pytest.approx(32 / (1 + 32 / 128), rel=0.05)  # Marchenko-Pastur: E[PR] ~ E / (1 + E/D)
+
+
 def test_tied_and_anti_tied():
     wq, wk = per_head(make("tied"))
     assert torch.equal(wq, wk)

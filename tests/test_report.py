@@ -34,11 +34,16 @@ def study(tmp_path_factory):
 
 def test_study_writes_tables_and_prints_claims(study):
     out, stdout = study
-    assert "trajectories with PR_Q - PR_K > 0 at every probe" in stdout and "report:" in stdout
+    # the verdicts lead: one line per claim, before the full table
+    assert stdout.index("VERDICTS") < stdout.index("PR_K shrinks") < stdout.index("ALL CLAIMS") and "report:" in stdout
     traj = pd.read_parquet(out / "summary.parquet")
     assert traj.groupby(["qk_init", "n_layers", "layer"]).ngroups == 2 * (1 + 2)
     claims = pd.read_csv(out / "claims.csv")
     assert set(claims["window"]) == {"whole", "post-transient"}
+    assert set(claims["verdict"]) <= {"holds", "fails", "inconclusive"} and claims["n"].eq(2).all()
+    assert claims["interval"].str.startswith("95% t over seeds").all()
+    sens = pd.read_csv(out / "sensitivity.csv")
+    assert {"post-transient", "from 0.5"} <= set(sens["window"])
     assert {"all", "depth=1", "depth=2", "init=independent", "init=tied"} <= set(claims["group"])
 
 
@@ -93,6 +98,9 @@ def test_report_renders_in_headless_chromium(study):
         pngs = sorted(p.stem for p in (out / "report").glob("*.png"))
         assert sorted(i[0] for i in images) == pngs and len(pngs) >= 5
         assert all(complete and width > 100 for _, complete, width in images), images
-        assert "Claims table" in driver.find_element("tag name", "body").text
+        body = driver.find_element("tag name", "body").text
+        # the report opens with the verdicts; the full table is folded away
+        assert body.index("Verdicts") < body.index("Figures") < body.index("Full claims table")
+        assert "window_sensitivity" in pngs
     finally:
         driver.quit()

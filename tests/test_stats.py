@@ -39,3 +39,44 @@ def test_spearman_monotone_and_degenerate():
     rho, p, n = stats.spearman(x, np.exp(x))
     assert rho == pytest.approx(1.0) and n == 10 and p < 1e-6
     assert np.isnan(stats.spearman(x, np.ones(10))[0])
+
+
+def test_t_interval_known_value():
+    # mean 2.5, sd sqrt(5/3), n 4: half-width t_{3,0.975} * sd / 2 with t_{3,0.975} = 3.182446
+    lo, hi = stats.t_mean_ci([1.0, 2.0, 3.0, 4.0])
+    half = 3.182446305284263 * np.sqrt(5 / 3) / 2
+    assert (lo, hi) == (pytest.approx(2.5 - half), pytest.approx(2.5 + half))
+    assert np.isnan(stats.t_mean_ci([1.0])[0])
+
+
+@pytest.mark.parametrize("n", [4, 5])
+def test_t_interval_coverage_at_few_seeds(n):
+    # what a 4-5 seed study needs: the stated 95% coverage, which the percentile bootstrap lacks
+    rng = np.random.default_rng(1)
+    draws = rng.normal(0.3, 1.0, size=(4000, n))
+    covered = [lo <= 0.3 <= hi for lo, hi in map(stats.t_mean_ci, draws)]
+    assert 0.92 <= np.mean(covered) <= 0.98
+    boot = [lo <= 0.3 <= hi for lo, hi in (stats.bootstrap_mean_ci(d, n_resamples=400) for d in draws[:300])]
+    assert np.mean(boot) < 0.9  # the old interval: ~80% at n = 4
+
+
+def test_verdict_rule():
+    assert stats.verdict(0.1, 0.5, +1) == "holds"
+    assert stats.verdict(0.1, 0.5, -1) == "fails"
+    assert stats.verdict(-0.1, 0.5, +1) == "inconclusive"
+    assert stats.verdict(-0.5, -0.1, -1) == "holds"
+    assert stats.verdict(float("nan"), float("nan"), +1) == "inconclusive"
+
+
+def test_transient_end_on_known_trajectories():
+    steps = np.array([0, 1, 2, 4, 8, 16, 32, 50, 100, 150, 200, 250, 300])
+    # collapse 30 -> 3 by step 50, rebound to ~4 by 150, then flat: ends at 150
+    level = np.array([30, 30, 30, 29, 28, 12, 4, 3, 3.6, 4.0, 4.1, 4.0, 4.05])
+    assert stats.transient_end(steps, level) == 150
+    # a looser tolerance accepts the first rebound step (+20%): the transient ends at the bottom
+    assert stats.transient_end(steps, level, tolerance=0.25) == 50
+    # no collapse: no transient
+    assert stats.transient_end(steps, np.linspace(10, 8, len(steps))) == 0
+    # order of the probes does not matter
+    perm = np.random.default_rng(0).permutation(len(steps))
+    assert stats.transient_end(steps[perm], level[perm]) == 150

@@ -128,6 +128,40 @@ def test_bad_input_one_line_nonzero(tmp_path, extra, message):
     assert not (out / "done.json").exists()
 
 
+def test_resume_from_the_step_0_checkpoint_does_not_duplicate_step_0(tmp_path):
+    # a run killed after its step-0 checkpoint and before the next: resumed, it equals an
+    # uninterrupted run with step 0 recorded once (twice before the fix, in all three files)
+    cfg = tiny_config(train={"steps": 12, "checkpoint_every": 10, "checkpoint_steps": [0]}, probe={"every": 4})
+    full = train(cfg, tmp_path / "full", progress=False)
+    part = train(cfg, tmp_path / "part", progress=False)
+    (part.checkpoints / "step_0.pt").replace(part.last_checkpoint)  # last.pt as the kill left it
+    part.done.unlink()
+    train(cfg, part.path, resume=True, progress=False)
+    assert losses(full) == losses(part)
+    assert sum(1 for r in part.read_metrics() if r["step"] == 0 and r["split"] == "valid") == 1
+    pd.testing.assert_frame_equal(full.read_geometry(), part.read_geometry())
+    assert list(part.read_spectra()["step"]) == list(full.read_spectra()["step"])
+
+
+def test_finished_run_refuses_a_different_config(tmp_path):
+    out = tmp_path / "r"
+    assert cli("train", "tiny", "--no-progress", "--set", "train.steps=5", "--out", str(out)).returncode == 0
+    r = cli("train", "tiny", "--no-progress", "--set", "train.steps=6", "--out", str(out))
+    assert r.returncode == 2 and "finished run with a different config" in r.stderr
+    assert cli("train", "tiny", "--no-progress", "--set", "train.steps=5", "--out", str(out)).returncode == 0
+
+
+def test_probe_samples_ten_tokens_per_dimension_by_default(tmp_path):
+    from qkgeom import config as C
+
+    cfg = tiny_config(train={"steps": 4})
+    assert C.probe_n_seqs(cfg) * cfg.model.n_ctx >= 10 * cfg.model.d_model
+    assert C.probe_n_seqs(C.load("cpu")) == 10 and C.probe_n_seqs(C.load("smoke")) * 64 >= 320
+    rd = train(cfg, tmp_path / "r", progress=False)
+    meta = json.loads(rd.config.read_text())
+    assert meta["probe_tokens"] >= 10 * cfg.model.d_model and meta["config"]["probe"]["n_seqs"] == 0
+
+
 def test_existing_run_is_not_overwritten(tmp_path):
     out = tmp_path / "r"
     train(tiny_config(train={"steps": 5}), out, progress=False)
