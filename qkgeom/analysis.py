@@ -59,10 +59,20 @@ def _run_info(rd: RunDir) -> dict:
         "qk_init": cfg["model"]["qk_init"],
         "seed": cfg["train"]["seed"],
         "data_seed": cfg["train"]["data_seed"],
-        "intervention": cfg["intervention"]["kind"],
+        "intervention": arm_label(cfg["intervention"]),
         "steps": cfg["train"]["steps"],
         "warmup_steps": cfg["train"]["warmup_steps"],
     }
+
+
+def arm_label(iv: dict) -> str:
+    """A condition's name in tables: `none`, `hold:key`, `contract:key:0.6`, `expand:interaction:1.25`."""
+    kind, on = iv["kind"], iv.get("on", "key")
+    if kind == "none":
+        return "none"
+    if kind == "hold":
+        return f"hold:{on}"
+    return f"{kind}:{on}:{iv.get('ratio', 1.0):g}"
 
 
 def _load(path: str | Path, reader) -> pd.DataFrame:
@@ -323,7 +333,18 @@ def seed_agreement(df: pd.DataFrame) -> pd.DataFrame:
     )
 
 
-PREDICTED_ENTROPY_SIGN = {"shrink": -1, "hold": +1}  # MISSION.md: shrink sharpens, hold softens
+# Pre-registered directions (configs/study-intervention-*.toml): each arm's intended effect on its
+# mediator and predicted effect on attention entropy, by kind.
+PREDICTED_SIGN = {"contract": -1, "expand": +1, "hold": +1}
+# The activation-side mediator a manipulation must move before its outcome is read: the key
+# activations for a control on W_K, the logit (Q K^T) spectrum for a control on W_Q W_K^T.
+CHECK_MEDIATOR = {"key": "key_participation_ratio", "interaction": "logit_participation_ratio"}
+MEDIATORS = (
+    ("key_weight_participation_ratio", "weight PR_K"),
+    ("key_participation_ratio", "activation PR_K"),
+    ("interaction_rank", "interaction rank"),
+    ("logit_participation_ratio", "logit-spectrum PR"),
+)
 
 
 def _paired(values: pd.Series, kind: str) -> pd.Series:
@@ -334,8 +355,8 @@ def _paired(values: pd.Series, kind: str) -> pd.Series:
     return (wide[kind] - wide["none"]).dropna()
 
 
-def _direction_rows(diffs: pd.Series, claim: str, group: str, win: str, sign: int | None) -> list[dict]:
-    """One claims row for paired differences; with a predicted sign, also the sign test and PD."""
+def _direction_row(diffs: pd.Series, claim: str, group: str, win: str, sign: int | None, verdict=None) -> list[dict]:
+    """One claims row for paired differences: mean, t-interval over seeds, sign test, PD, verdict."""
     if diffs.empty:
         return []
     v = diffs.to_numpy()
@@ -345,7 +366,11 @@ def _direction_rows(diffs: pd.Series, claim: str, group: str, win: str, sign: in
         k, n, p = stats.sign_test(v, sign)
         direction = stats.probability_of_direction(v, sign)
         detail = f"sign test p = {p:.3g}; probability of direction {direction:.3f}; {detail}"
-        extra = dict(predicted="+" if sign > 0 else "-", seeds_agreeing=f"{k}/{n}", verdict=stats.verdict(lo, hi, sign))
+        extra = dict(
+            predicted="+" if sign > 0 else "-",
+            seeds_agreeing=f"{k}/{n}",
+            verdict=verdict or stats.verdict(lo, hi, sign),
+        )
     return [
         _row(
             "intervention", claim, group, win, diffs.mean(), lo, hi, len(diffs), p, detail=detail,
@@ -354,67 +379,117 @@ def _direction_rows(diffs: pd.Series, claim: str, group: str, win: str, sign: in
     ]  # fmt: skip
 
 
-def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame:
-    """Paired-by-seed effects of hold/shrink against none on attention entropy and validation loss.
+def arm_means(df: pd.DataFrame, metric: str, win: str = "post-transient") -> pd.Series:
+    """Layer-mean `metric` per (intervention, seed): averaged over the window's probes, or at the final probe."""
+    rows = layer_metric(df, metric)
+    rows = rows[rows["step"] == rows["steps"]] if win == "final" else window(rows, win)
+    return rows.groupby(["intervention", "seed"])["value"].mean()
 
-    Outcomes: attention entropy (nats) at the final probe and averaged over the post-transient
-    window, as the mean over layers and per layer; final validation loss. The sign test is
-    two-sided at 1/2; CIs are 95% t-intervals of the mean paired difference over seeds.
-    """
-    rows: list[dict] = []
+
+def dose_points(df: pd.DataFrame) -> pd.DataFrame:
+    """Per (arm, seed): post-transient means of attention entropy and log activation PR_K (layer mean);
+    `in_fit` marks the arms of the dose-response fit (none and contract/expand on W_K)."""
     df = with_transient(df)
-    ent = layer_metric(df, "attention_entropy")
-    final = ent[ent["step"] == ent["steps"]]
-    late = window(ent, "post-transient")
-    for kind, sign in PREDICTED_ENTROPY_SIGN.items():
-        for win, src in (("final", final), ("post-transient mean", late)):
-            mean_over_layers = src.groupby(["intervention", "seed"])["value"].mean()
-            rows += _direction_rows(
-                _paired(mean_over_layers, kind),
-                f"{kind} - none: attention entropy (nats)",
-                "mean over layers",
-                win,
-                sign,
-            )
-            per_layer = src.groupby(["intervention", "seed", "layer"])["value"].mean()
-            for layer, s in per_layer.groupby("layer"):
-                rows += _direction_rows(
-                    _paired(s.droplevel("layer"), kind),
-                    f"{kind} - none: attention entropy (nats)",
-                    f"layer={layer}",
-                    win,
-                    sign,
-                )
+    ent, prk = arm_means(df, "attention_entropy"), arm_means(df, "key_participation_ratio")
+    pts = pd.DataFrame({"entropy": ent, "log_pr_k": np.log(prk)}).reset_index()
+    pts["in_fit"] = pts["intervention"].map(
+        lambda a: a == "none" or a.split(":")[:2] in (["contract", "key"], ["expand", "key"])
+    )
+    return pts
+
+
+def dose_response(df: pd.DataFrame) -> pd.DataFrame:
+    """Per seed: OLS slope of attention entropy on log activation PR_K (post-transient means, layer
+    mean) across the none / contract / expand arms on W_K. Columns: seed, slope, n_arms."""
+    pts = dose_points(df)
+    out = [
+        {"seed": seed, "slope": stats.slope(g["log_pr_k"], g["entropy"]), "n_arms": len(g)}
+        for seed, g in pts[pts["in_fit"]].groupby("seed")
+    ]
+    return pd.DataFrame(out, columns=["seed", "slope", "n_arms"])
+
+
+def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame:
+    """The causal test: per arm, manipulation checks (arm - none on each mediator, paired by seed),
+    then the outcome (attention entropy) judged only if the manipulation moved its activation-side
+    mediator in the intended direction; then the dose-response slope over seeds; then how well the
+    control met its targets. Windows: post-transient mean (detected per run) and the final probe."""
+    df = with_transient(df)
+    rows: list[dict] = []
+    arms = sorted(a for a in df["intervention"].unique() if a != "none")
+    for arm in arms:
+        kind, on = arm.split(":")[:2]
+        sign = PREDICTED_SIGN[kind]
+        check_ok = True
+        for metric, label in MEDIATORS:
+            r = _direction_row(
+                _paired(arm_means(df, metric), arm), f"{arm} - none: manipulation check, {label}",
+                "mean over layers", "post-transient", sign,
+            )  # fmt: skip
+            if r and metric == CHECK_MEDIATOR[on]:
+                check_ok = r[0]["verdict"] == "holds"
+                r[0]["verdict"] = "manipulation ok" if check_ok else "manipulation failed"
+                r[0]["claim"] += " (the check)"
+            rows += r
+        for win in ("post-transient", "final"):
+            rows += _direction_row(
+                _paired(arm_means(df, "attention_entropy", win), arm), f"{arm} - none: attention entropy (nats)",
+                "mean over layers", win, sign, verdict=None if check_ok else "manipulation failed",
+            )  # fmt: skip
+            per_layer = layer_metric(df, "attention_entropy")
+            per_layer = per_layer[per_layer["step"] == per_layer["steps"]] if win == "final" else window(per_layer, win)
+            for layer, g in per_layer.groupby("layer"):
+                rows += _direction_row(
+                    _paired(g.groupby(["intervention", "seed"])["value"].mean(), arm),
+                    f"{arm} - none: attention entropy (nats)", f"layer={layer}", win, sign,
+                )  # fmt: skip
         val = metrics[metrics["split"] == "valid"]
         val = val[val["step"] == val["steps"]].groupby(["intervention", "seed"])["loss"].mean()
-        rows += _direction_rows(
-            _paired(val, kind), f"{kind} - none: validation loss (nats/char)", "final", "final", None
-        )
+        rows += _direction_row(_paired(val, arm), f"{arm} - none: validation loss (nats/char)", "final", "final", None)
+    dr = dose_response(df)
+    if len(dr) and dr["n_arms"].min() >= 3:
+        v = dr["slope"].to_numpy()
+        lo, hi = stats.t_mean_ci(v)
+        rows.append(
+            _row(
+                "intervention", "dose-response: slope of attention entropy on log activation PR_K",
+                "none + contract/expand on W_K", "post-transient", float(np.mean(v)), lo, hi, len(v),
+                stats.t_test_p(v), detail=f"per-seed slopes {np.round(v, 4).tolist()}; {dr['n_arms'].min()} arms each",
+                predicted="+", seeds_agreeing=f"{int(np.sum(v > 0))}/{len(v)}", interval="95% t over seeds",
+                verdict=stats.verdict(lo, hi, +1),
+            )
+        )  # fmt: skip
     rows += control_rows(df)
     return _finish(rows)
 
 
 def control_rows(df: pd.DataFrame) -> list[dict]:
-    """How closely the achieved weight-PR_K tracked its target, per condition (max relative error)."""
+    """How the achieved spectrum met its target, per condition: for hold and two-sided controls the
+    max relative error; for one-sided ceilings / floors the largest violation past the target."""
     rows = []
-    target = df[df["metric"] == "key_weight_participation_ratio_target"]
-    if target.empty:
-        return rows
-    achieved = df[(df["metric"] == "key_weight_participation_ratio") & (df["head"] >= 0)]
-    keys = ["run_id", "step", "layer", "head"]
-    both = target.merge(achieved, on=keys, suffixes=("_target", ""))
-    both["rel_err"] = (both["value"] - both["value_target"]).abs() / both["value_target"]
-    for kind, g in both.groupby("intervention_target"):
-        rows.append(
-            _row(
-                "intervention",
-                f"{kind}: achieved weight-PR_K vs target",
-                "all controlled heads",
-                "whole",
-                g["rel_err"].max(),
-                n=len(g),
-                detail=f"max relative error over {g['run_id'].nunique()} runs x probes x heads "
-                f"(median {g['rel_err'].median():.2e})",
-            )
-        )
+    for metric in ("key_weight_participation_ratio", "interaction_rank"):
+        target = df[df["metric"] == f"{metric}_target"]
+        if target.empty:
+            continue
+        achieved = df[(df["metric"] == metric) & (df["head"] >= 0)]
+        keys = ["run_id", "step", "layer", "head"]
+        both = target.merge(achieved, on=keys, suffixes=("_target", ""))
+        both = both[both["step"] > 0]
+        for arm, g in both.groupby("intervention_target"):
+            kind = arm.split(":")[0]
+            rel = (g["value"] - g["value_target"]) / g["value_target"]
+            if kind == "contract":
+                err, what = rel.clip(lower=0).max(), "largest excess above the ceiling"
+            elif kind == "expand":
+                err, what = (-rel).clip(lower=0).max(), "largest shortfall below the floor"
+            else:
+                err, what = rel.abs().max(), "max relative error"
+            active = float((rel.abs() < 1e-6).mean())
+            rows.append(
+                _row(
+                    "intervention", f"{arm}: achieved {metric} vs target", "all controlled heads", "whole", err,
+                    n=len(g), detail=f"{what} over {g['run_id'].nunique()} runs x probes x heads; "
+                    f"share of probes at the target (control active) {active:.2f}",
+                )
+            )  # fmt: skip
     return rows

@@ -16,7 +16,17 @@ from pathlib import Path
 from typing import Any
 
 QK_INITS = ("independent", "orthogonal", "tied", "anti_tied")
-INTERVENTIONS = ("none", "hold", "shrink")
+INTERVENTIONS = ("none", "hold", "contract", "expand")
+CONTROL_TARGETS = ("key", "interaction")
+REFERENCES = ("baseline", "initial")
+CONTROL_MODES = ("one-sided", "two-sided")
+# keys and values of earlier versions: a one-line error that names the replacement
+REPLACED = {
+    "intervention.target_fraction": "intervention.ratio (with intervention.reference = 'initial' for the old "
+    "schedule relative to the initial spectrum)",
+    "intervention.shrink": "intervention.kind = 'contract' (a one-sided ceiling at intervention.ratio x the "
+    "reference; reference = 'initial' gives the old schedule)",
+}
 TOKENIZERS = ("char", "byte")
 
 
@@ -111,15 +121,27 @@ class ProbeConfig:
 @dataclass(frozen=True)
 class InterventionConfig:
     kind: str = "none"
-    """Key-spectrum control: none, hold, shrink (applied to W_K after every step)."""
+    """Spectrum control after every optimiser step: none, hold (initial profile), contract, expand."""
+    on: str = "key"
+    """What is controlled: `key` (singular values of W_K^h) or `interaction` (of W_Q^h W_K^h^T)."""
+    reference: str = "baseline"
+    """contract/expand target = ratio x reference: `baseline` = the same seed's `none` run at the same
+    step; `initial` = the head's initial PR on a linear schedule (training alone contracts W_K to
+    ~0.4-0.6x, so an initial-relative target can leave W_K *less* contracted than the baseline)."""
+    ratio: float = 1.0
+    """Target ratio: < 1 for contract, > 1 for expand."""
+    mode: str = "one-sided"
+    """`one-sided`: contract is a ceiling, expand a floor (project only when past the target);
+    `two-sided`: track the target exactly."""
+    reach_fraction: float = 0.5
+    """reference = initial: fraction of training by which ratio x initial PR is reached."""
+    baseline: str = ""
+    """reference = baseline: the `none` run's folder (relative to this run's parent folder); sweeps
+    fill it in."""
     layers: tuple[int, ...] = ()
     """Layers controlled; empty means all."""
     heads: tuple[int, ...] = ()
     """Heads controlled; empty means all."""
-    target_fraction: float = 0.5
-    """shrink: target weight-PR_K as a fraction of its initial value, in (0, 1]."""
-    reach_fraction: float = 0.5
-    """shrink: fraction of training by which the target is reached (linear schedule)."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +188,9 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
+    for key in unknown:
+        if prefix + key in REPLACED:
+            raise ConfigError(f"config key {prefix + key!r} was replaced by {REPLACED[prefix + key]}")
     if unknown:
         raise ConfigError(f"unknown config key {prefix + unknown[0]!r} (known: {', '.join(sorted(names))})")
     kwargs = {}
@@ -285,12 +310,22 @@ def validate(cfg: RunConfig) -> None:
     need(p.every > 0, f"probe.every must be positive, got {p.every}")
     need(p.n_seqs >= 0, f"probe.n_seqs must be >= 0 (0 = automatic), got {p.n_seqs}")
     need(p.min_tokens_per_dim > 0, f"probe.min_tokens_per_dim must be positive, got {p.min_tokens_per_dim}")
+    if iv.kind == "shrink":
+        raise ConfigError(f"intervention.kind 'shrink' was replaced by {REPLACED['intervention.shrink']}")
     need(iv.kind in INTERVENTIONS, f"intervention.kind must be one of {INTERVENTIONS}, got {iv.kind!r}")
+    need(iv.on in CONTROL_TARGETS, f"intervention.on must be one of {CONTROL_TARGETS}, got {iv.on!r}")
+    need(iv.reference in REFERENCES, f"intervention.reference must be one of {REFERENCES}, got {iv.reference!r}")
+    need(iv.mode in CONTROL_MODES, f"intervention.mode must be one of {CONTROL_MODES}, got {iv.mode!r}")
+    need(
+        iv.kind != "contract" or 0 < iv.ratio < 1,
+        f"intervention.ratio must be in (0, 1) for contract, got {iv.ratio}",
+    )
+    need(iv.kind != "expand" or iv.ratio > 1, f"intervention.ratio must be > 1 for expand, got {iv.ratio}")
+
     bad_layers = [x for x in iv.layers if not 0 <= x < m.n_layers]
     need(not bad_layers, f"intervention.layers {bad_layers} do not exist (model has {m.n_layers} layers)")
     bad_heads = [x for x in iv.heads if not 0 <= x < m.n_heads]
     need(not bad_heads, f"intervention.heads {bad_heads} do not exist (model has {m.n_heads} heads)")
-    need(0 < iv.target_fraction <= 1, f"intervention.target_fraction must be in (0, 1], got {iv.target_fraction}")
     need(0 < iv.reach_fraction <= 1, f"intervention.reach_fraction must be in (0, 1], got {iv.reach_fraction}")
 
 

@@ -14,7 +14,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-COLORS = {"query": "tab:blue", "key": "tab:orange", "none": "tab:gray", "hold": "tab:green", "shrink": "tab:red"}
+COLORS = {"query": "tab:blue", "key": "tab:orange"}
 
 
 def _grid(df: pd.DataFrame, size: float = 3.2):
@@ -126,39 +126,81 @@ def interaction_spectra(spectra: dict[str, tuple[np.ndarray, np.ndarray]]) -> Fi
     return fig
 
 
+def _arm_color(arm: str, arms: list[str]) -> str:
+    if arm == "none":
+        return "k"
+    cmap = plt.get_cmap("tab10")
+    return cmap(arms.index(arm) % 10)
+
+
 def by_condition(df: pd.DataFrame, metric: str, ylabel: str, title: str) -> Figure:
     """Layer-mean `metric` against step per intervention condition, min-max band over seeds."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
     rows = df[(df["head"] == -1) & (df["metric"] == metric)]
-    for kind, g in rows.groupby("intervention"):
+    arms = sorted(rows["intervention"].unique())
+    for arm, g in rows.groupby("intervention"):
         per_run = g.groupby(["step", "run_id"])["value"].mean().unstack("run_id")
-        _band(ax, per_run, COLORS.get(kind, "k"), kind)
+        _band(ax, per_run, _arm_color(arm, arms), arm)
     ax.set_xscale("symlog", linthresh=1)
     ax.set_xlabel("step")
     ax.set_ylabel(ylabel)
     ax.set_title(title)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 
 
 def control_tracking(df: pd.DataFrame) -> Figure:
-    """Achieved weight-PR_K (mean over controlled heads) against its target, per condition and seed."""
-    fig, ax = plt.subplots(figsize=(6, 4))
-    achieved = df[(df["metric"] == "key_weight_participation_ratio") & (df["head"] >= 0)]
-    target = df[df["metric"] == "key_weight_participation_ratio_target"]
-    for kind, g in achieved.groupby("intervention"):
-        for _, r in g.groupby("run_id"):
-            s = r.groupby("step")["value"].mean()
-            ax.plot(s.index, s.values, color=COLORS.get(kind, "k"), alpha=0.6, lw=1)
-        ax.plot([], [], color=COLORS.get(kind, "k"), label=f"{kind} (achieved)")
-    for kind, g in target.groupby("intervention"):
-        s = g.groupby("step")["value"].mean()
-        ax.plot(s.index, s.values, color="k", ls="--", lw=1, label=f"{kind} target")
-    ax.set_xlabel("step")
-    ax.set_ylabel("weight PR_K (PR of sigma^2 of W_K^h)")
-    ax.set_title("Key spectrum under control (per seed)")
-    ax.legend(fontsize=8)
+    """Achieved controlled spectrum (mean over controlled heads) and its target (dashed), per arm;
+    the baseline (`none`) in black. One panel per controlled object."""
+    panels = [
+        m for m in ("key_weight_participation_ratio", "interaction_rank") if (df["metric"] == f"{m}_target").any()
+    ]
+    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4), squeeze=False)
+    arms = sorted(df["intervention"].unique())
+    for ax, metric in zip(axes[0], panels, strict=False):
+        target = df[df["metric"] == f"{metric}_target"]
+        controlled = set(target["intervention"]) | {"none"}
+        achieved = df[(df["metric"] == metric) & (df["head"] >= 0) & df["intervention"].isin(controlled)]
+        for arm, g in achieved.groupby("intervention"):
+            s = g.groupby("step")["value"].mean()
+            ax.plot(s.index, s.values, color=_arm_color(arm, arms), lw=1.5, label=arm)
+        for arm, g in target.groupby("intervention"):
+            s = g.groupby("step")["value"].mean()
+            ax.plot(s.index, s.values, color=_arm_color(arm, arms), ls="--", lw=1)
+        ax.set_xscale("symlog", linthresh=1)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"{metric} (mean over heads and seeds)")
+        ax.legend(fontsize=7)
+    fig.suptitle("Controlled spectrum: achieved (solid) and target (dashed)")
+    fig.tight_layout()
+    return fig
+
+
+def dose_response(points: pd.DataFrame, slopes: pd.DataFrame) -> Figure:
+    """Attention entropy against log activation PR_K per arm and seed (post-transient means), one
+    line per seed: the causal estimate is the mean of these per-seed slopes."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    arms = sorted(points["intervention"].unique())
+    for seed, g in points.groupby("seed"):
+        g = g.sort_values("log_pr_k")
+        fam = g[g["in_fit"]]
+        ax.plot(fam["log_pr_k"], fam["entropy"], color="0.6", lw=0.8, zorder=1)
+        for arm, r in g.groupby("intervention"):
+            ax.scatter(
+                r["log_pr_k"],
+                r["entropy"],
+                color=_arm_color(arm, arms),
+                s=22,
+                zorder=2,
+                marker="o" if r["in_fit"].iloc[0] else "x",
+                label=arm if seed == points["seed"].min() else None,
+            )
+    v = slopes["slope"].to_numpy()
+    ax.set_title(f"Dose-response: mean slope {np.mean(v):.3f} over {len(v)} seeds (lines: per-seed fits)", fontsize=9)
+    ax.set_xlabel("log activation PR_K (post-transient mean, layer mean)")
+    ax.set_ylabel("attention entropy (nats)")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
 

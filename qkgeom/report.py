@@ -153,10 +153,17 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
                 g, "attention_entropy", "attention entropy (nats)", "Attention entropy under key-spectrum control"
             ),
         )
-        figs["intervention_key_spectrum"] = (
-            "Achieved weight-side PR_K of the controlled heads, and the shrink target (dashed).",
+        figs["intervention_control"] = (
+            "Achieved controlled spectrum per arm (solid), its target (dashed), the baseline none run (black).",
             plots.control_tracking(g),
         )
+        slopes = A.dose_response(g)
+        if len(slopes) and slopes["n_arms"].min() >= 3:
+            figs["dose_response"] = (
+                "Dose-response: attention entropy against achieved log activation PR_K, per arm and seed "
+                "(o: arms in the fit; x: other arms).",
+                plots.dose_response(A.dose_points(g), slopes),
+            )
         figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "intervention"))
     base = g[g["intervention"] == "none"]
     if len(base):

@@ -121,7 +121,30 @@ def expand(spec: SweepSpec) -> list[RunSpec]:
         from qkgeom.train import run_id
 
         runs.append(RunSpec(run_id(cfg), overrides, cfg))
-    return runs
+    return [_with_baseline(spec, r, runs) for r in runs]
+
+
+def _with_baseline(spec: SweepSpec, r: RunSpec, runs: list[RunSpec]) -> RunSpec:
+    """A contract/expand run relative to its baseline gets intervention.baseline = the run id of the
+    `none` run with the same overrides outside [intervention] (same seeds, same model)."""
+    iv = r.config.intervention
+    if iv.kind not in ("contract", "expand") or iv.reference != "baseline" or iv.baseline:
+        return r
+
+    def outside(x: RunSpec) -> dict:
+        return {k: v for k, v in x.overrides.items() if not k.startswith("intervention.")}
+
+    match = [b for b in runs if b.config.intervention.kind == "none" and outside(b) == outside(r)]
+    if not match:
+        raise SweepError(
+            f"sweep {spec.name!r}: run {r.run_id} is relative to its baseline, but the grid has no "
+            "intervention.kind = 'none' run with the same other settings"
+        )
+    from qkgeom.train import run_id
+
+    overrides = {**r.overrides, "intervention.baseline": match[0].run_id}
+    cfg = C.from_dict(C.apply_overrides(C.to_dict(r.config), [_as_override("intervention.baseline", match[0].run_id)]))
+    return RunSpec(run_id(cfg), overrides, cfg)
 
 
 def write_manifest(spec: SweepSpec, runs: list[RunSpec], out: Path) -> None:
@@ -239,7 +262,11 @@ def run_sweep(
     threads = max(1, (os.cpu_count() or 1) // workers)
     tic = time.perf_counter()
     bar = CostBar(runs, result.skipped, spec.name, progress)
-    statuses = _execute(todo, out, workers, threads, executor, address, bar, gpus_per_run)
+    # baselines first: a contract/expand run reads its `none` run's finished spectra
+    first = [r for r in todo if not r.config.intervention.baseline]
+    then = [r for r in todo if r.config.intervention.baseline]
+    statuses = _execute(first, out, workers, threads, executor, address, bar, gpus_per_run)
+    statuses += _execute(then, out, workers, threads, executor, address, bar, gpus_per_run)
     bar.close()
     for s in statuses:
         if s["status"] == "done":

@@ -98,6 +98,26 @@ def divergence(model: torch.nn.Module) -> str | None:
     return None
 
 
+def baseline_spectra(iv: C.InterventionConfig, rd: RunDir) -> tuple[np.ndarray, np.ndarray] | None:
+    """For reference = baseline: (probe steps (n,), controlled metric (L, H, n)) of the finished `none`
+    run named by intervention.baseline (relative to this run's parent folder)."""
+    if iv.kind not in ("contract", "expand") or iv.reference != "baseline":
+        return None
+    if not iv.baseline:
+        raise TrainingError(
+            "intervention.reference = 'baseline' needs intervention.baseline, the finished none run's folder "
+            "(sweeps set it; or use intervention.reference = 'initial')"
+        )
+    base = RunDir(Path(iv.baseline) if Path(iv.baseline).is_absolute() else rd.path.parent / iv.baseline)
+    if not base.is_done():
+        raise TrainingError(f"baseline run {base.path} is not finished (train the none run first)")
+    g = base.read_geometry()
+    g = g[(g["metric"] == I.CONTROLLED_METRIC[iv.on]) & (g["head"] >= 0)]
+    table = g.pivot_table(index=["layer", "head"], columns="step", values="value")  # (L*H, n)
+    n_layers, n_heads = table.index.levshape
+    return table.columns.to_numpy(), table.to_numpy().reshape(n_layers, n_heads, -1)
+
+
 def _prepare(cfg: C.RunConfig, rd: RunDir, resume: bool) -> None:
     """Refuse to overwrite a run; on resume, check the stored config matches."""
     if rd.is_done():
@@ -133,8 +153,10 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
     train_data, valid_data = corpus.splits["train"], corpus.splits["valid"]
     model = GPT(m, corpus.vocab.size, seed=t.seed).to(device)
     opt = make_optimizer(model, t)
-    key_weights = gpt_weights(model)[1]  # (H, D, E) views of each W_K: in-place updates keep them valid
-    control = I.KeyControl.create(cfg.intervention, key_weights, t.steps)
+    query_weights, key_weights = gpt_weights(model)  # (H, D, E) views: in-place updates keep them valid
+    control = I.SpectrumControl.create(
+        cfg.intervention, query_weights, key_weights, t.steps, baseline_spectra(cfg.intervention, rd)
+    )
     n_probe = C.probe_n_seqs(cfg)
     probe_idx = torch.from_numpy(gather(valid_data, fixed_offsets(len(valid_data), m.n_ctx, n_probe), m.n_ctx)[0]).to(
         device
@@ -263,7 +285,7 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
         opt.step()
-        control.apply(key_weights, step + 1)
+        control.apply(query_weights, key_weights, step + 1)
         step += 1
         rd.append_metrics(
             {

@@ -122,14 +122,17 @@ def test_trajectories_average_over_seeds():
 
 
 def test_intervention_claims_paired_by_seed():
-    def outcome(delta):
-        return lambda p, s, layer: {"attention_entropy": 2.0 + delta * (1 + 0.1 * s)}
+    # contract lowers activation PR_K by 10% and entropy by 0.2 (1 + 0.1 seed): manipulation ok, outcome holds;
+    # hold moves neither mediator: its outcome is "manipulation failed", not a failed prediction
+    def outcome(d_ent, d_prk):
+        return lambda p, s, layer: {
+            "attention_entropy": 2.0 + d_ent * (1 + 0.1 * s),
+            "key_participation_ratio": 4.0 * (1 + d_prk) + 0.01 * s,
+        }
 
+    arms = (("none", 0.0, 0.0), ("contract:key:0.6", -0.2, -0.1), ("expand:key:1.25", 0.1, 0.2), ("hold:key", 0.1, 0.0))
     df = pd.concat(
-        [
-            synthetic(seeds=range(5), inits=("independent",), intervention=k, fn=outcome(d))
-            for k, d in (("none", 0.0), ("shrink", -0.2), ("hold", 0.1))
-        ]
+        [synthetic(seeds=range(5), inits=("independent",), intervention=k, fn=outcome(e, r)) for k, e, r in arms]
     )
     metrics = pd.DataFrame(
         [
@@ -138,15 +141,33 @@ def test_intervention_claims_paired_by_seed():
         ]
     )
     c = A.claims_intervention(df, metrics)
-    s = claim(c, "shrink - none: attention entropy (nats)", "mean over layers", "final")
+    check = claim(
+        c,
+        "contract:key:0.6 - none: manipulation check, activation PR_K (the check)",
+        "mean over layers",
+        "post-transient",
+    )
+    assert check["value"] == pytest.approx(-0.4) and check["verdict"] == "manipulation ok"
+    s = claim(c, "contract:key:0.6 - none: attention entropy (nats)", "mean over layers", "final")
     expected = np.mean([-0.2 * (1 + 0.1 * s) for s in range(5)])
     assert s["value"] == pytest.approx(expected) and s["n"] == 5
     assert s["p_value"] == pytest.approx(2 / 32)  # 5/5 seeds, two-sided sign test
     assert s["seeds_agreeing"] == "5/5" and "probability of direction 1.000" in s["detail"]
     assert s["verdict"] == "holds" and s["interval"] == "95% t over seeds (paired)"
-    h = claim(c, "hold - none: attention entropy (nats)", "layer=1", "post-transient mean")
+    h = claim(c, "hold:key - none: attention entropy (nats)", "mean over layers", "post-transient")
     assert h["value"] == pytest.approx(np.mean([0.1 * (1 + 0.1 * s) for s in range(5)]))
-    assert claim(c, "hold - none: validation loss (nats/char)", "final", "final")["value"] == 0.0
+    assert h["verdict"] == "manipulation failed"
+    assert claim(c, "hold:key - none: validation loss (nats/char)", "final", "final")["value"] == 0.0
+    # dose-response over none / contract / expand: entropy vs log PR_K, per seed
+    dr = claim(
+        c,
+        "dose-response: slope of attention entropy on log activation PR_K",
+        "none + contract/expand on W_K",
+        "post-transient",
+    )
+    x = np.log([4.0 * 0.9, 4.0, 4.0 * 1.2])
+    slope0 = np.polyfit(x + 0, [2.0 - 0.2, 2.0, 2.1], 1)[0]  # seed 0 (the 0.01 s offset is 0)
+    assert dr["n"] == 5 and dr["verdict"] == "holds" and dr["detail"].startswith(f"per-seed slopes [{slope0:.4f}")
 
 
 @pytest.mark.usefixtures("wikitext")

@@ -34,19 +34,21 @@ def test_hold_profile_and_schedule():
     s = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
     held = I.hold_profile(s, s0)
     assert torch.allclose(held / held.norm(), s0 / s0.norm()) and held.norm().item() == pytest.approx(s.norm().item())
-    assert I.shrink_target(10.0, 0, 100, 0.4, 0.5) == 10.0
-    assert I.shrink_target(10.0, 25, 100, 0.4, 0.5) == pytest.approx(7.0)
-    assert I.shrink_target(10.0, 50, 100, 0.4, 0.5) == pytest.approx(4.0)
-    assert I.shrink_target(10.0, 90, 100, 0.4, 0.5) == pytest.approx(4.0)
+    assert I.scheduled_target(10.0, 0, 100, 0.4, 0.5) == 10.0
+    assert I.scheduled_target(10.0, 25, 100, 0.4, 0.5) == pytest.approx(7.0)
+    assert I.scheduled_target(10.0, 50, 100, 0.4, 0.5) == pytest.approx(4.0)
+    assert I.scheduled_target(10.0, 90, 100, 0.4, 0.5) == pytest.approx(4.0)
 
 
 def test_apply_touches_only_selected_heads_and_layers():
     torch.manual_seed(0)
     w = [torch.randn(4, 16, 4) for _ in range(3)]
     before = [x.clone() for x in w]
-    cfg = C.InterventionConfig(kind="shrink", layers=(1,), heads=(0, 2), target_fraction=0.5, reach_fraction=0.5)
-    ctl = I.KeyControl.create(cfg, w, total_steps=10)
-    ctl.apply(w, 10)
+    cfg = C.InterventionConfig(
+        kind="contract", reference="initial", mode="two-sided", layers=(1,), heads=(0, 2), ratio=0.5
+    )
+    ctl = I.SpectrumControl.create(cfg, w, w, total_steps=10)
+    ctl.apply(w, w, 10)
     assert torch.equal(w[0], before[0]) and torch.equal(w[2], before[2])
     assert torch.equal(w[1][1], before[1][1]) and torch.equal(w[1][3], before[1][3])
     for h in (0, 2):
@@ -56,13 +58,92 @@ def test_apply_touches_only_selected_heads_and_layers():
         assert s1.norm().item() == pytest.approx(s0.norm().item(), rel=1e-5)
 
 
+def _heads(seed: int, h: int = 4, d: int = 24, e: int = 6) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(h, d, e, generator=g, dtype=torch.float64) for _ in range(2)]
+
+
+@pytest.mark.parametrize("target", [1.3, 2.5, 4.0, 5.5])
+def test_interaction_control_closed_form(target):
+    # W_Q W_K^T gets exactly the target PR, keeps its Frobenius norm and singular vectors;
+    # unselected heads and layers are untouched
+    w_q, w_k = _heads(0), _heads(1)
+    before_q, before_k = [x.clone() for x in w_q], [x.clone() for x in w_k]
+    s0, _, _ = I.set_interaction_spectrum(w_q[1], w_k[1]) + (None, None)
+    new_s = torch.stack([I.profile_with_pr(s0[h], target) for h in range(4)])
+    _, q1, k1 = I.set_interaction_spectrum(w_q[1], w_k[1], new_s)
+    m0, m1 = w_q[1] @ w_k[1].transpose(-1, -2), q1 @ k1.transpose(-1, -2)
+    sv1 = torch.linalg.svdvals(m1)[:, :6]
+    assert torch.allclose(participation_ratio(sv1**2), torch.full((4,), target, dtype=torch.float64), atol=1e-6)
+    assert torch.allclose(m1.flatten(1).norm(dim=1), m0.flatten(1).norm(dim=1), rtol=1e-10)
+    u0, _, vh0 = torch.linalg.svd(m0)
+    u1, _, vh1 = torch.linalg.svd(m1)
+    overlap = (u0[:, :, :6].transpose(-1, -2) @ u1[:, :, :6]).abs().diagonal(dim1=-2, dim2=-1)
+    assert torch.allclose(overlap, torch.ones_like(overlap), atol=1e-6)  # same left singular vectors
+    # the applier, on head 2 of layer 1 only
+    cfg = C.InterventionConfig(
+        kind="contract", on="interaction", reference="initial", mode="two-sided", ratio=0.5, layers=(1,), heads=(2,)
+    )
+    ctl = I.SpectrumControl.create(cfg, w_q, w_k, total_steps=10)
+    pr_before = float(participation_ratio(s0[2] ** 2))
+    ctl.apply(w_q, w_k, 5)  # reach 0.5 x 10 = step 5: the target is 0.5 x initial PR
+    s_after = I.set_interaction_spectrum(w_q[1][2:3], w_k[1][2:3])[0][0]
+    assert float(participation_ratio(s_after**2)) == pytest.approx(0.5 * pr_before, abs=1e-6)
+    assert torch.equal(w_q[0], before_q[0]) and torch.equal(w_k[0], before_k[0])
+    for h in (0, 1, 3):
+        assert torch.equal(w_q[1][h], before_q[1][h]) and torch.equal(w_k[1][h], before_k[1][h])
+
+
+def test_one_sided_ceiling_and_floor_act_only_past_the_target():
+    w_q, w_k = _heads(2), _heads(3)
+    pr = participation_ratio(torch.linalg.svdvals(w_k[0]) ** 2)  # (H,) current weight PR_K of layer 0
+    # baseline PR = the current PR for every head, constant over steps
+    base = (np.array([0, 100]), np.stack([pr.numpy(), pr.numpy()], -1)[None].repeat(2, 0))
+    for kind, ratio in (("contract", 1 / 1.01), ("expand", 1.01)):
+        q, k = [x.clone() for x in w_q], [x.clone() for x in w_k]
+        ctl = I.SpectrumControl.create(C.InterventionConfig(kind=kind, ratio=ratio, baseline="x"), q, k, 100, base)
+        ctl.apply(q, k, 50)
+        after = participation_ratio(torch.linalg.svdvals(k[0]) ** 2)
+        assert torch.allclose(after, pr * ratio, rtol=1e-9)  # past the target: projected onto it
+    # a ceiling above the current PR and a floor below it do nothing (bit-identical weights)
+    for kind, ratio in (("contract", 0.5), ("expand", 2.0)):
+        q, k = [x.clone() for x in w_q], [x.clone() for x in w_k]
+        low = (base[0], base[1] * (2.5 if kind == "contract" else 0.25))  # target = 1.25x / 0.5x current
+        ctl = I.SpectrumControl.create(C.InterventionConfig(kind=kind, ratio=ratio, baseline="x"), q, k, 100, low)
+        ctl.apply(q, k, 50)
+        assert all(torch.equal(a, b) for a, b in zip(k, w_k, strict=True))
+    # the target follows the baseline, interpolated linearly between its probes
+    steps, vals = np.array([0, 10, 20]), np.zeros((2, 4, 3))
+    vals[1, 3] = [10.0, 6.0, 4.0]
+    ctl = I.SpectrumControl.create(
+        C.InterventionConfig(kind="contract", ratio=0.5, baseline="x"), w_q, w_k, 20, (steps, vals)
+    )
+    assert ctl.target_pr(1, 3, 15) == pytest.approx(0.5 * 5.0)
+
+
 def test_bad_targets_rejected():
+    w = [torch.randn(2, 8, 4)]
     with pytest.raises(ValueError, match="layer 5 does not exist"):
-        I.KeyControl.create(C.InterventionConfig(kind="hold", layers=(5,)), [torch.randn(2, 8, 4)], 10)
+        I.SpectrumControl.create(C.InterventionConfig(kind="hold", layers=(5,)), w, w, 10)
     with pytest.raises(C.ConfigError, match="intervention.heads"):
         C.load("tiny", ["intervention.kind=hold", "intervention.heads=[4]"])
-    with pytest.raises(C.ConfigError, match="target_fraction"):
-        C.load("tiny", ["intervention.kind=shrink", "intervention.target_fraction=0"])
+    with pytest.raises(C.ConfigError, match="ratio must be in \\(0, 1\\) for contract"):
+        C.load("tiny", ["intervention.kind=contract", "intervention.ratio=1.2"])
+    with pytest.raises(ValueError, match="needs the baseline"):
+        I.SpectrumControl.create(C.InterventionConfig(kind="contract", ratio=0.5), w, w, 10)
+
+
+@pytest.mark.parametrize(
+    "override, new_key",
+    [
+        ("intervention.target_fraction=0.5", "intervention.ratio"),
+        ("intervention.kind=shrink", "'contract'"),
+    ],
+)
+def test_old_intervention_keys_name_their_replacement(override, new_key):
+    with pytest.raises(C.ConfigError, match="was replaced by") as e:
+        C.load("tiny", [override])
+    assert new_key in str(e.value) and "\n" not in str(e.value)
 
 
 def weights(rd):
@@ -97,11 +178,14 @@ def test_hold_keeps_initial_normalised_profile(tmp_path):
 
 
 @pytest.mark.usefixtures("wikitext")
-def test_shrink_follows_schedule_and_is_recorded(tmp_path):
+def test_contract_on_initial_schedule_follows_it_and_is_recorded(tmp_path):
     cfg = tiny_config(
         train={"steps": 40},
-        intervention={"kind": "shrink", "layers": [0], "heads": [1], "target_fraction": 0.4, "reach_fraction": 0.5},
-    )
+        intervention={
+            "kind": "contract", "reference": "initial", "mode": "two-sided", "layers": [0], "heads": [1],
+            "ratio": 0.4, "reach_fraction": 0.5,
+        },
+    )  # fmt: skip
     g = train(cfg, tmp_path / "s", progress=False).read_geometry()
     g = g[(g.layer == 0) & (g["head"] == 1)]
     achieved = g[g.metric == "key_weight_participation_ratio"].set_index("step")["value"]
@@ -114,3 +198,23 @@ def test_shrink_follows_schedule_and_is_recorded(tmp_path):
     other = g[g.metric == "key_weight_participation_ratio_target"]
     assert len(other) == len(achieved)  # only the controlled head has targets
     assert np.isclose(achieved.iloc[-1], 0.4 * pr0, rtol=1e-3)
+
+
+@pytest.mark.usefixtures("wikitext")
+def test_ceiling_relative_to_the_baseline_run_in_training(tmp_path):
+    # the none run first; the contract arm's weight-PR_K then never exceeds 0.6x the none run's
+    base = train(tiny_config(train={"steps": 30}), tmp_path / "none", progress=False)
+    cfg = tiny_config(train={"steps": 30}, intervention={"kind": "contract", "ratio": 0.6, "baseline": "none"})
+    g = train(cfg, tmp_path / "contract", progress=False).read_geometry()
+    b = base.read_geometry()
+    key = ["step", "layer", "head"]
+    achieved = g[(g.metric == "key_weight_participation_ratio") & (g["head"] >= 0)].set_index(key)["value"]
+    target = g[g.metric == "key_weight_participation_ratio_target"].set_index(key)["value"]
+    baseline = b[(b.metric == "key_weight_participation_ratio") & (b["head"] >= 0)].set_index(key)["value"]
+    assert np.allclose(target, 0.6 * baseline.loc[target.index])  # probes coincide: no interpolation
+    later = achieved.index.get_level_values("step") > 0
+    assert (achieved[later] <= target[later] * (1 + 1e-6)).all()
+    assert (achieved[later] < baseline[later]).all()
+    missing = tiny_config(train={"steps": 30}, intervention={"kind": "contract", "ratio": 0.6, "baseline": "nope"})
+    with pytest.raises(Exception, match="not finished"):
+        train(missing, tmp_path / "c2", progress=False)

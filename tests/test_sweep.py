@@ -30,8 +30,13 @@ def test_expand_grid_and_zipped_keys(tmp_path):
 def test_study_presets_expand_to_the_paper_grids():
     assert len(S.expand(S.load_sweep("smoke"))) == 36
     runs = S.expand(S.load_sweep("intervention-smoke"))
-    assert len(runs) == 15 and {r.config.intervention.kind for r in runs} == {"none", "hold", "shrink"}
-    assert {r.config.model.n_layers for r in runs} == {6}
+    assert len(runs) == 35 and {r.config.intervention.kind for r in runs} == {"none", "hold", "contract", "expand"}
+    assert {r.config.model.n_layers for r in runs} == {4}
+    # every contract/expand arm points at the none run of its own seed
+    none = {r.config.train.seed: r.run_id for r in runs if r.config.intervention.kind == "none"}
+    for r in runs:
+        if r.config.intervention.kind in ("contract", "expand"):
+            assert r.config.intervention.baseline == none[r.config.train.seed]
 
 
 @pytest.mark.parametrize(
