@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -80,13 +81,18 @@ def _load(path: str | Path, reader) -> pd.DataFrame:
     for d in run_folders(path):
         rd = RunDir(d)
         if not rd.is_done():
-            why = "failed: " + read_json(d / "error.json")["error"] if (d / "error.json").exists() else "unfinished"
+            why = "unfinished"
+            if (d / "error.json").exists():
+                try:
+                    why = "failed: " + str(read_json(d / "error.json")["error"])
+                except (OSError, ValueError, KeyError, TypeError):
+                    why = "failed; its error.json is unreadable"
             warnings.warn(f"skipping run {d.name} ({why})", RunWarning, stacklevel=3)
             continue
         try:
             info = _run_info(rd)
             df = reader(rd)
-        except (OSError, ValueError, KeyError, json.JSONDecodeError) as e:
+        except (OSError, ValueError, KeyError, EOFError, json.JSONDecodeError, zipfile.BadZipFile) as e:
             warnings.warn(f"skipping corrupt run {d.name} ({type(e).__name__}: {e})", RunWarning, stacklevel=3)
             continue
         for k, v in info.items():
@@ -97,6 +103,16 @@ def _load(path: str | Path, reader) -> pd.DataFrame:
     return pd.concat(frames, ignore_index=True)
 
 
+def _checked_geometry(rd: RunDir) -> pd.DataFrame:
+    """A finished run's geometry, after checking the files the report reads are whole."""
+    if not rd.geometry.is_file():
+        raise ValueError("geometry.parquet is missing")
+    read_json(rd.done)  # the report reads it
+    if rd.spectra.is_file():
+        rd.read_spectra()  # a truncated npz raises here, not later in the report
+    return rd.read_geometry()
+
+
 def load_runs(path: str | Path) -> pd.DataFrame:
     """Tidy geometry rows of every finished run under `path`, with run columns and `progress`.
 
@@ -104,7 +120,7 @@ def load_runs(path: str | Path) -> pd.DataFrame:
     step, tokens_seen, progress (= step / steps), layer, head, site, metric, value.
     Unfinished or corrupt runs are skipped with a RunWarning naming them.
     """
-    df = _load(path, lambda rd: rd.read_geometry())
+    df = _load(path, _checked_geometry)
     df["progress"] = df["step"] / df["steps"]
     return df
 

@@ -291,7 +291,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", help="text file to sample (default: WikiText-2 validation, raw where available)")
     p.add_argument("--tokenizer", help="tokenizer name or folder (default: the model's own)")
     p.add_argument("--n-tokens", type=int, default=65_536, help="tokens to stream (default 65536)")
-    p.add_argument("--seq-len", type=int, default=256, help="sequence length (default 256)")
+    p.add_argument(
+        "--seq-len", type=int, default=256, help="sequence length (default 256; capped at the model's context)"
+    )
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
     p.add_argument("--early-max-step", type=int, default=1000, help="last step of the early window (default 1000)")
     _add_output_args(p, "RUNS/pretrained/<model>")
@@ -324,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from qkgeom.analysis import AnalysisError
     from qkgeom.data import DataError
-    from qkgeom.results import CheckpointError
+    from qkgeom.results import CheckpointError, FolderLockedError
     from qkgeom.sweep import SweepError
     from qkgeom.train import TrainingError
 
@@ -336,11 +338,18 @@ def main(argv: list[str] | None = None) -> int:
         AnalysisError,
         DataError,
         CheckpointError,
+        FolderLockedError,
         TrainingError,
         ValueError,
-        FileNotFoundError,
     ) as e:
         print(f"qkgeom {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # unwritable or full disk, --out on a file, ...: finished files are kept
+        where = f": {e.filename}" if e.filename else ""
+        print(
+            f"qkgeom {args.command}: error: {e.strerror or e}{where} (finished files are kept; fix it, then --resume)",
+            file=sys.stderr,
+        )
         return 2
     except KeyboardInterrupt:
         print(f"qkgeom {args.command}: interrupted (finished files are kept; use --resume)", file=sys.stderr)

@@ -67,6 +67,8 @@ def analyse_revision(
     if rd.is_done():
         return rd.path
     model = load_model(name, revision)
+    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    seq_len = min(seq_len, limit) if limit else seq_len  # e.g. our exported runs have n_ctx < 256
     path, _ = resolve_revision(name, revision)
     tokens = tokens_fn(path)
     rows, spectra = analyse_model(model, token_batches(tokens, seq_len, batch_size, n_tokens), progress=progress)

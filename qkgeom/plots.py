@@ -183,9 +183,11 @@ def dose_response(points: pd.DataFrame, slopes: pd.DataFrame) -> Figure:
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     arms = sorted(points["intervention"].unique())
     for seed, g in points.groupby("seed"):
-        g = g.sort_values("log_pr_k")
         fam = g[g["in_fit"]]
-        ax.plot(fam["log_pr_k"], fam["entropy"], color="0.6", lw=0.8, zorder=1)
+        if fam["log_pr_k"].nunique() >= 2:  # this seed's least-squares line over its own range
+            b, a = np.polyfit(fam["log_pr_k"], fam["entropy"], 1)
+            xs = np.array([fam["log_pr_k"].min(), fam["log_pr_k"].max()])
+            ax.plot(xs, a + b * xs, color="0.6", lw=0.8, zorder=1)
         for arm, r in g.groupby("intervention"):
             ax.scatter(
                 r["log_pr_k"],

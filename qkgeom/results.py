@@ -14,11 +14,15 @@ Every write is atomic (temp file + rename), so a killed run never leaves a half-
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import io
 import json
 import os
 import platform
+import socket
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,44 @@ GEOMETRY_COLUMNS = ["step", "tokens_seen", "layer", "head", "site", "metric", "v
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, truncated or corrupt."""
+
+
+class FolderLockedError(RuntimeError):
+    """Another live process holds the folder (a run or a sweep)."""
+
+
+LOCK_FILE = ".lock"
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `folder` (created if needed) for the duration of the block.
+
+    An advisory ``flock`` on <folder>/.lock: the kernel releases it when its holder exits or is
+    killed, so a crashed run never leaves a stale lock, and a second process on the same folder is
+    refused at once with the holder's pid in the message.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    f = open(folder / LOCK_FILE, "a+")  # noqa: SIM115 (held open for the block)
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        f.seek(0)
+        holder = f.read().strip() or "unknown pid"
+        f.close()
+        raise FolderLockedError(
+            f"{folder} is in use by another qkgeom process ({holder}); wait for it or stop it"
+        ) from None
+    try:
+        f.seek(0)
+        f.truncate()
+        f.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        f.flush()
+        yield
+    finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+        f.close()
 
 
 def write_json(path: Path, obj: Any) -> None:

@@ -16,10 +16,12 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import signal
 import time
 import tomllib
 import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -28,7 +30,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from qkgeom import config as C
-from qkgeom.results import RunDir, write_json
+from qkgeom.results import RunDir, folder_lock, write_json
 
 SWEEP_KINDS = ("main", "intervention")
 
@@ -80,8 +82,14 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
     if bad:
         raise SweepError(f"unknown key {bad[0]!r} in [sweep] of {p}")
     fixed = dict(data.get("set", {}))
+    grid_keys = {k.strip() for key in data.get("grid", {}) for k in key.split(",")}
     for item in extra or []:
         key, _, text = item.partition("=")
+        if key.strip() in grid_keys:
+            raise SweepError(
+                f"--set {key.strip()} names a grid key of {p.name}, which the grid would override; "
+                "edit the sweep's [grid] (or copy the file) instead"
+            )
         fixed[key.strip()] = C._parse_scalar(text.strip())
     spec = SweepSpec(
         name=head.get("name", p.stem),
@@ -246,9 +254,17 @@ def run_sweep(
     address: str | None = None,
     gpus_per_run: float = 0.0,
 ) -> SweepResult:
-    """Expand, write the manifest, then train every unfinished run in a worker pool."""
+    """Expand, write the manifest, then train every unfinished run in a worker pool.
+
+    The sweep folder is locked while it runs: a second sweep on it is refused (FolderLockedError).
+    """
     out = Path(out)
     runs = expand(spec)
+    with folder_lock(out):
+        return _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_run)
+
+
+def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_run) -> SweepResult:
     out.mkdir(parents=True, exist_ok=True)
     write_manifest(spec, runs, out)
     result = SweepResult(out)
@@ -301,10 +317,78 @@ def _execute(
             statuses.append(run_one(C.to_dict(r.config), str(out / r.run_id), threads))
             bar.update(1, r.run_id)
         return statuses
-    # spawn: a clean interpreter per worker (fork after torch has started threads can deadlock)
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
-        futures = [pool.submit(run_one, C.to_dict(r.config), str(out / r.run_id), threads) for r in todo]
-        for f in as_completed(futures):
-            statuses.append(f.result())
-            bar.update(1, statuses[-1]["run_id"])
+    return _run_pool(todo, out, workers, threads, bar)
+
+
+def _worker_init() -> None:
+    """In each pool worker: Ctrl-C is the parent's to handle (a worker interrupted during start-up
+    would be poisoned for every later run), and the worker dies with its parent (Linux), so a
+    killed sweep never leaves orphans training the queue."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's SIGTERM handler still ends workers
+        pass
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Cancel queued runs and end running ones now (their checkpoints make them resumable)."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in list((pool._processes or {}).values()):
+        p.terminate()
+    for p in list((pool._processes or {}).values()):
+        p.join(timeout=10)
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt  # handled like Ctrl-C: workers stopped, one line, resumable
+
+
+def _run_pool(todo: list[RunSpec], out: Path, workers: int, threads: int, bar) -> list[dict[str, Any]]:
+    """Run in a spawn pool (a clean interpreter per worker: fork after torch has started threads can
+    deadlock). A worker that dies (OOM killer, kill -9) breaks the pool: its runs are retried once in
+    a fresh pool (they resume from their checkpoints); a run that breaks a pool twice fails with an
+    error.json. Ctrl-C or SIGTERM stops the workers at once."""
+    statuses: list[dict[str, Any]] = []
+    attempts = {r.run_id: 0 for r in todo}
+    queue = list(todo)
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()  # signals only there
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        while queue:
+            lost: list[RunSpec] = []
+            pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_worker_init)
+            try:
+                futures = {pool.submit(run_one, C.to_dict(r.config), str(out / r.run_id), threads): r for r in queue}
+                for f in as_completed(futures):
+                    try:
+                        statuses.append(f.result())
+                        bar.update(1, statuses[-1]["run_id"])
+                    except BrokenProcessPool:
+                        lost.append(futures[f])
+            except BaseException:
+                _stop(pool)
+                raise
+            pool.shutdown(wait=True)
+            queue = []
+            for r in lost:
+                attempts[r.run_id] += 1
+                if RunDir(out / r.run_id).is_done():
+                    statuses.append({"run_id": r.run_id, "status": "done", "seconds": 0.0})
+                    bar.update(1, r.run_id)
+                elif attempts[r.run_id] < 2:
+                    queue.append(r)
+                else:
+                    msg = "its worker process died twice (killed, or out of memory?)"
+                    (out / r.run_id).mkdir(parents=True, exist_ok=True)
+                    write_json(out / r.run_id / "error.json", {"error": msg, "traceback": ""})
+                    statuses.append({"run_id": r.run_id, "status": "failed", "error": msg, "seconds": 0.0})
+                    bar.update(1, r.run_id)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return statuses

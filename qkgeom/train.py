@@ -26,7 +26,7 @@ from qkgeom.data import Vocab, atomic_write_bytes, batch_offsets, fixed_offsets,
 from qkgeom.geometry import NumericalWarning
 from qkgeom.model import GPT
 from qkgeom.probe import gpt_weights, probe_gpt
-from qkgeom.results import RunDir, provenance, read_json, write_json
+from qkgeom.results import RunDir, folder_lock, provenance, read_json, write_json
 
 
 class TrainingError(RuntimeError):
@@ -118,17 +118,24 @@ def baseline_spectra(iv: C.InterventionConfig, rd: RunDir) -> tuple[np.ndarray, 
     return table.columns.to_numpy(), table.to_numpy().reshape(n_layers, n_heads, -1)
 
 
+def _stored_config(rd: RunDir) -> C.RunConfig:
+    try:
+        return C.from_dict(read_json(rd.config)["config"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise TrainingError(f"{rd.config} is corrupt ({type(e).__name__}); nothing was changed") from None
+
+
 def _prepare(cfg: C.RunConfig, rd: RunDir, resume: bool) -> None:
     """Refuse to overwrite a run; on resume, check the stored config matches."""
     if rd.is_done():
-        stored = C.from_dict(read_json(rd.config)["config"]) if rd.config.is_file() else None
+        stored = _stored_config(rd) if rd.config.is_file() else None
         if stored != cfg:
             raise TrainingError(f"run folder {rd.path} holds a finished run with a different config")
         return
     if resume:
         if not rd.config.is_file():
             raise TrainingError(f"cannot resume: {rd.path} has no config.json")
-        stored = C.from_dict(read_json(rd.config)["config"])
+        stored = _stored_config(rd)
         if stored != cfg:
             raise TrainingError(f"cannot resume {rd.path}: its config.json differs from the config given")
     elif rd.config.exists():
@@ -136,9 +143,16 @@ def _prepare(cfg: C.RunConfig, rd: RunDir, resume: bool) -> None:
 
 
 def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True) -> RunDir:
-    """Train (or resume) one run into `run_dir`; returns its RunDir once done.json is written."""
+    """Train (or resume) one run into `run_dir`; returns its RunDir once done.json is written.
+
+    The folder is locked for the whole run: a second process on it is refused (FolderLockedError).
+    """
     C.validate(cfg)
-    rd = RunDir(run_dir)
+    with folder_lock(Path(run_dir)):
+        return _train(cfg, RunDir(run_dir), resume, progress)
+
+
+def _train(cfg: C.RunConfig, rd: RunDir, resume: bool, progress: bool) -> RunDir:
     _prepare(cfg, rd, resume)
     if rd.is_done():
         return rd
@@ -148,7 +162,10 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
     device = t.device
 
     resumed = resume and rd.last_checkpoint.exists()  # else: start afresh in the same folder
-    vocab = Vocab.from_json(rd.vocab.read_text()) if resumed else None
+    try:
+        vocab = Vocab.from_json(rd.vocab.read_text()) if resumed else None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TrainingError(f"cannot resume: {rd.vocab} is missing or corrupt ({type(e).__name__})") from None
     corpus = load_corpus(cfg.data, vocab)
     train_data, valid_data = corpus.splits["train"], corpus.splits["valid"]
     model = GPT(m, corpus.vocab.size, seed=t.seed).to(device)
@@ -172,9 +189,15 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
         opt.load_state_dict(state["optimizer"])
         control.load_state_dict(state["control"])
         start, elapsed0 = int(state["step"]), float(state["elapsed"])
+        try:
+            geometry = rd.read_geometry().query("step <= @start").to_dict("records")
+            spectra = rd.read_spectra()
+        except Exception as e:  # pyarrow, zipfile and numpy raise several types for damaged files
+            raise TrainingError(
+                f"cannot resume {rd.path}: geometry.parquet or spectra.npz is corrupt ({type(e).__name__}); "
+                "nothing was changed"
+            ) from None
         rd.truncate_metrics(start)
-        geometry = rd.read_geometry().query("step <= @start").to_dict("records")
-        spectra = rd.read_spectra()
         keep = spectra.get("step", np.array([])) <= start
         spectra = {k: list(v[keep]) for k, v in spectra.items()}
     else:

@@ -1,0 +1,353 @@
+"""Faults, in real processes: SIGKILL at random points and mid-write, Ctrl-C, two processes on one
+folder, a failing disk, damaged run folders, and the bad-input zoo. Each promise of the README is
+checked against an uninterrupted run: a resumed or re-run result must be identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from qkgeom import analysis as A
+from qkgeom.results import RunDir, folder_lock
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.usefixtures("wikitext")
+
+TRAIN = ["train", "tiny", "--no-progress", "--set", "train.steps=60", "--set", "train.checkpoint_every=10"]
+TRAIN += ["--set", "probe.every=10", "--set", "train.eval_every=20"]
+
+
+def cli(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qkgeom.cli", *args], capture_output=True, text=True, cwd=REPO, env=env, **kw
+    )
+
+
+def start(*args: str, env: dict | None = None) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "qkgeom.cli", *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        rows = RunDir(out).read_metrics()
+        if rows and rows[-1]["step"] >= step:
+            return
+        time.sleep(0.002)
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    """Metrics (losses), geometry, spectra and done.json of two run folders agree exactly."""
+    ra, rb = RunDir(a), RunDir(b)
+
+    def losses(rd: RunDir) -> list:
+        return [(r["step"], r["split"], r["loss"]) for r in rd.read_metrics()]
+
+    assert losses(ra) == losses(rb)
+    pd.testing.assert_frame_equal(ra.read_geometry(), rb.read_geometry())
+    sa, sb = ra.read_spectra(), rb.read_spectra()
+    assert sa.keys() == sb.keys() and all(np.array_equal(sa[k], sb[k]) for k in sa)
+    da, db = json.loads(ra.done.read_text()), json.loads(rb.done.read_text())
+    assert (da["step"], da["final_valid_loss"]) == (db["step"], db["final_valid_loss"])
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "run"
+    r = cli(*TRAIN, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+@pytest.mark.parametrize(
+    "point",
+    # random kill steps (seeded), and kills in the middle of a checkpoint, a parquet, an npz and the
+    # config being written (the last one: a folder holding only part of its first files)
+    [f"step:{s}" for s in np.random.default_rng(7).integers(1, 60, 3)]
+    + ["write:last.pt:2", "write:geometry.parquet:4", "write:spectra.npz:3", "write:config.json:1"],
+)
+def test_sigkill_then_resume_equals_uninterrupted(reference, tmp_path, point):
+    out = tmp_path / "run"
+    env = dict(os.environ)
+    if point.startswith("write:"):
+        env["QKGEOM_KILL_DURING_WRITE"] = point.removeprefix("write:")
+        proc = start(*TRAIN, "--out", str(out), env=env)
+        assert proc.wait(timeout=120) == -signal.SIGKILL
+    else:
+        proc = start(*TRAIN, "--out", str(out))
+        wait_for_step(out, int(point.split(":")[1]), proc)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not (out / "done.json").exists()
+    r = cli(*TRAIN, "--out", str(out), "--resume") if (out / "config.json").exists() else cli(*TRAIN, "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    assert_same_run(reference, out)
+
+
+def test_ctrl_c_one_line_then_resume(reference, tmp_path):
+    out = tmp_path / "run"
+    proc = start(*TRAIN, "--out", str(out))
+    wait_for_step(out, 25, proc)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and err.strip().count("\n") == 0 and "interrupted" in err, err
+    assert cli(*TRAIN, "--out", str(out), "--resume").returncode == 0
+    assert_same_run(reference, out)
+
+
+def test_second_process_on_a_run_folder_is_refused(reference, tmp_path):
+    out = tmp_path / "run"
+    proc = start(*TRAIN, "--out", str(out))
+    wait_for_step(out, 2, proc)
+    r = cli(*TRAIN, "--out", str(out), "--resume")
+    assert r.returncode == 2 and "in use by another qkgeom process" in r.stderr and r.stderr.count("\n") == 1
+    assert proc.wait(timeout=120) == 0
+    assert_same_run(reference, out)  # nothing duplicated, nothing corrupted
+    # the lock dies with its holder: after a SIGKILL the folder is usable at once
+    out2 = tmp_path / "run2"
+    proc = start(*TRAIN, "--out", str(out2))
+    wait_for_step(out2, 15, proc)
+    proc.kill()
+    proc.wait()
+    with folder_lock(out2):
+        pass
+
+
+SWEEP = '[sweep]\nname = "f"\nbase = "tiny"\n[set]\n"train.steps" = 40\n"train.checkpoint_every" = 10\n'
+SWEEP += '[grid]\n"train.seed" = [0, 1]\n'
+
+
+def _children(pid: int) -> list[int]:
+    """The pool workers of a sweep process (spawned interpreters; not the resource tracker)."""
+    kids = []
+    for p in Path("/proc").iterdir():
+        if p.name.isdigit():
+            try:
+                stat = (p / "stat").read_text().rsplit(")", 1)[1].split()
+                cmd = (p / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat[1]) == pid and b"spawn_main" in cmd:
+                kids.append(int(p.name))
+    return kids
+
+
+def _alive(pids: list[int]) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z":
+            out.append(pid)
+    return out
+
+
+@pytest.fixture(scope="module")
+def clean_sweep(tmp_path_factory) -> tuple[Path, Path]:
+    tmp = tmp_path_factory.mktemp("sweep")
+    sweep = tmp / "f.toml"
+    sweep.write_text(SWEEP)
+    clean = cli("sweep", str(sweep), "--out", str(tmp / "clean"), "--workers", "2", "--no-progress")
+    assert clean.returncode == 0, clean.stderr
+    return sweep, tmp / "clean"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_killed_sweep_leaves_no_workers_and_reruns_to_the_same_result(clean_sweep, tmp_path, sig):
+    sweep, clean = clean_sweep
+    out = tmp_path / "killed"
+    proc = start("sweep", str(sweep), "--out", str(out), "--workers", "2", "--no-progress")
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(out.glob("*/checkpoints/last.pt")):
+        time.sleep(0.01)
+    workers = _children(proc.pid)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    if sig != signal.SIGKILL:
+        assert proc.returncode == 130 and err.strip().count("\n") == 0 and "interrupted" in err, err
+    deadline = time.time() + 20
+    while time.time() < deadline and _alive(workers):
+        time.sleep(0.1)
+    assert not _alive(workers), "sweep workers outlived their parent"
+    assert not list(out.glob("*/error.json"))  # an interruption is not a run failure
+    rerun = cli("sweep", str(sweep), "--out", str(out), "--workers", "2", "--no-progress")
+    assert rerun.returncode == 0, rerun.stderr
+    for run in sorted(p for p in clean.iterdir() if p.is_dir()):
+        assert_same_run(run, out / run.name)
+
+
+def test_a_worker_killed_like_the_oom_killer_is_retried(tmp_path):
+    sweep = tmp_path / "f.toml"
+    sweep.write_text(SWEEP)
+    out = tmp_path / "s"
+    proc = start("sweep", str(sweep), "--out", str(out), "--workers", "2", "--no-progress")
+    deadline = time.time() + 120
+    while time.time() < deadline and not list(out.glob("*/checkpoints/last.pt")):
+        time.sleep(0.01)
+    victims = _children(proc.pid)
+    assert victims
+    os.kill(max(victims), signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert len(list(out.glob("*/done.json"))) == 2 and not list(out.glob("*/error.json"))
+
+
+def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
+    sweep = tmp_path / "f.toml"
+    sweep.write_text(SWEEP)
+    out = tmp_path / "s"
+    proc = start("sweep", str(sweep), "--out", str(out), "--workers", "1", "--no-progress")
+    deadline = time.time() + 60
+    while time.time() < deadline and not (out / ".lock").exists():
+        time.sleep(0.01)
+    time.sleep(0.5)
+    r = cli("sweep", str(sweep), "--out", str(out), "--workers", "1", "--no-progress")
+    assert r.returncode == 2 and "in use by another qkgeom process" in r.stderr and r.stderr.count("\n") == 1
+    assert proc.wait(timeout=300) == 0
+    for metrics in out.glob("*/metrics.jsonl"):  # no run trained twice
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        assert len(rows) == len({(r["step"], r["split"]) for r in rows})
+
+
+def _limit_file_size(nbytes: int):
+    return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, nbytes))
+
+
+def test_full_disk_one_line_nothing_lost_then_resume(reference, tmp_path):
+    # RLIMIT_FSIZE makes every write past the limit fail with EFBIG, as a full disk fails with ENOSPC
+    out = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "qkgeom.cli", *TRAIN, "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        preexec_fn=_limit_file_size(60_000),
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "File too large" in proc.stderr and "--resume" in proc.stderr
+    kept = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and not p.name.startswith(".")}
+    assert "config.json" in kept
+    r = cli(*TRAIN, "--out", str(out), "--resume")
+    assert r.returncode == 0, r.stderr
+    assert_same_run(reference, out)
+
+
+def test_unwritable_out_is_one_line(tmp_path):
+    target = tmp_path / "a_file"
+    target.write_text("x")
+    r = cli(*TRAIN, "--out", str(target / "run"))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "Not a directory" in r.stderr, r.stderr
+    assert target.read_text() == "x"
+    if os.geteuid() != 0:  # root ignores permission bits
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        ro.chmod(0o555)
+        r = cli(*TRAIN, "--out", str(ro / "run"))
+        assert r.returncode == 2 and "Permission denied" in r.stderr and r.stderr.strip().count("\n") == 0
+
+
+DAMAGE = {
+    "geometry.parquet": lambda p: p.write_bytes(p.read_bytes()[:100]),
+    "spectra.npz": lambda p: p.write_bytes(p.read_bytes()[:100]),
+    "config.json": lambda p: p.write_text("{not json"),
+    "done.json": lambda p: p.write_text("{"),
+    "missing geometry.parquet": lambda p: None,
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_run_is_skipped_by_analyze_and_report(reference, tmp_path, damage):
+    root = tmp_path / "runs"
+    for name in ("good", "bad"):
+        shutil.copytree(reference, root / name)
+    target = root / "bad" / damage.removeprefix("missing ")
+    if damage.startswith("missing"):
+        target.unlink()
+    else:
+        DAMAGE[damage](target)
+    r = cli("report", str(root))
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("warning:") == 1 and "bad" in r.stderr, r.stderr
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        df = A.load_runs(root)
+    assert set(df["run_id"]) == {"good"} and sum(issubclass(w.category, A.RunWarning) for w in caught) == 1
+
+
+@pytest.mark.parametrize("damage", ["geometry.parquet", "spectra.npz", "config.json", "last.pt", "vocab.json"])
+def test_resume_refuses_a_damaged_run_and_changes_nothing(reference, tmp_path, damage):
+    out = tmp_path / "run"
+    shutil.copytree(reference, out)
+    (out / "done.json").unlink()
+    target = out / "checkpoints" / damage if damage.endswith(".pt") else out / damage
+    target.write_bytes(target.read_bytes()[: len(target.read_bytes()) // 3])
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+    r = cli(*TRAIN, "--out", str(out), "--resume")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "corrupt" in r.stderr and damage.split(".")[0] in r.stderr
+    assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+def _finished(reference: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "done"
+    shutil.copytree(reference, out)
+    return out
+
+
+ZOO = [
+    (["train", "tiny", "--set", "data.source=/no/such/folder"], "neither a folder"),
+    (["train", "tiny", "--set", "model.dropout=0.1"], "unknown config key 'model.dropout'"),
+    (["train", "tiny", "--set", "model.n_layers=1.5"], "expects an integer"),
+    (["train", "tiny", "--set", "model.n_heads=3"], "does not divide"),
+    (["train", "tiny", "--set", "train.lr=-1"], "train.lr must be positive"),
+    (["train", "tiny", "--set", "train.lr=1e6", "--set", "train.steps=10"], "diverged"),
+    (["train", "tiny", "--set", "train.warmup_steps=1000"], "warmup_steps must be in"),
+    (["train", "tiny", "--set", "intervention.target_fraction=0.5"], "was replaced by intervention.ratio"),
+    (["train", "tiny", "--set", "intervention.kind=shrink"], "was replaced by intervention.kind = 'contract'"),
+    (["train", "tiny", "--set", "intervention.kind=contract", "--set", "intervention.ratio=0.5"], "baseline"),
+    (["train", "tiny", "--set", "intervention.kind=expand", "--set", "intervention.ratio=0.5"], "> 1 for expand"),
+    (["train", "nosuchpreset"], "neither a file nor a preset"),
+    (["train", "tiny", "--set", "notakey"], "not of the form key=value"),
+    (["train", "tiny", "--resume"], "cannot resume"),
+    (["train", "tiny", "--set", "train.steps=7", "--out", "{done}"], "finished run with a different config"),
+    (["sweep", "smoke", "--set", "model.n_layers=2", "--dry-run"], "names a grid key"),
+    (["sweep", "/no/such/sweep.toml"], "neither a file nor a study preset"),
+    (["analyze", "/no/such/folder"], "is not a folder"),
+    (["report", "{empty}"], "no finished runs"),
+    (["export", "/no/such/run", "--out", "{tmp}/hf"], "no/such/run"),
+]
+
+
+@pytest.mark.parametrize("args, message", ZOO, ids=[m for _, m in ZOO])
+def test_bad_input_zoo(reference, tmp_path, args, message):
+    done = _finished(reference, tmp_path)
+    (tmp_path / "empty").mkdir()
+    args = [a.format(done=str(done), empty=str(tmp_path / "empty"), tmp=str(tmp_path)) for a in args]
+    if args[0] == "train" and "--out" not in args:
+        args += ["--out", str(tmp_path / "new")]
+    before = {p: p.read_bytes() for p in done.rglob("*") if p.is_file() and p.name != ".lock"}
+    r = cli(*args, "--no-progress") if args[0] in ("train", "sweep") else cli(*args)
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
+    assert before == {p: p.read_bytes() for p in done.rglob("*") if p.is_file() and p.name != ".lock"}
