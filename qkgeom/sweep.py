@@ -223,7 +223,7 @@ class CostBar:
             disable=not progress,
             desc=name,
             unit="M tok-layers",
-            bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix} [{elapsed}<{remaining}]",
+            bar_format="{desc}: {percentage:3.0f}%|{bar}|{postfix} [{elapsed}<{remaining}, ETA by run cost]",
         )
         self.bar.set_postfix_str(f"{self.done}/{self.n_runs} runs")
 
