@@ -329,7 +329,25 @@ def claims_main(df: pd.DataFrame, windows: tuple[str, ...] = WINDOWS, groups: bo
 
 def sensitivity(df: pd.DataFrame) -> pd.DataFrame:
     """Every main claim (group `all`) at the detected window and at fixed window starts."""
-    return claims_main(df, ("post-transient", *(f"from {f:g}" for f in SENSITIVITY_STARTS)), groups=False)
+    return claims_main(df, ("post-transient", *(f"from {f:.2g}" for f in SENSITIVITY_STARTS)), groups=False)
+
+
+HORIZONS = (0.25, 0.5, 0.75, 1.0)  # fractions of the run: the claims judged on truncated runs
+
+
+def horizon(df: pd.DataFrame) -> pd.DataFrame:
+    """Every main claim (group `all`, post-transient) on the runs truncated at fractions of their
+    length; `window` reads `to step N`. Progress is rescaled to the truncated length. A truncated run
+    is not a shorter run (its learning-rate schedule was the full run's)."""
+    df = with_transient(df)
+    out = []
+    for f in HORIZONS:
+        end = (df["steps"] * f).round()
+        cut = df[df["step"] <= end].assign(progress=lambda x: x["step"] / (x["steps"] * f))
+        c = claims_main(cut, ("post-transient",), groups=False)
+        c["window"] = f"to step {int(df['steps'].max() * f)}"
+        out.append(c)
+    return pd.concat(out, ignore_index=True)
 
 
 def seed_agreement(df: pd.DataFrame) -> pd.DataFrame:

@@ -252,7 +252,7 @@ def family_contrast(geometry: pd.DataFrame, revisions: pd.DataFrame) -> Figure:
     return fig
 
 
-def sensitivity(claims: pd.DataFrame) -> Figure:
+def sensitivity(claims: pd.DataFrame, what: str = "Window sensitivity") -> Figure:
     """Each claim's value with its 95% interval (over seeds) against the window it was judged in."""
     names = list(dict.fromkeys(claims["claim"]))
     fig, axes = plt.subplots(len(names), 1, figsize=(7, 1.6 * len(names)), squeeze=False, sharex=True)
@@ -266,6 +266,6 @@ def sensitivity(claims: pd.DataFrame) -> Figure:
         ax.axhline(0, color="k", lw=0.6)
         ax.set_title(name, fontsize=8, loc="left")
         ax.set_xticks(x, list(c["window"]), fontsize=8)
-    fig.suptitle("Window sensitivity (green: holds, red: fails, gray: inconclusive)", fontsize=10)
+    fig.suptitle(f"{what} (green: holds, red: fails, gray: inconclusive)", fontsize=10)
     fig.tight_layout()
     return fig

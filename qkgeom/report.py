@@ -34,6 +34,7 @@ class Analysis:
     claims: pd.DataFrame
     sensitivity: pd.DataFrame
     skipped: list[str] = field(default_factory=list)
+    horizon: pd.DataFrame | None = None
 
     @property
     def is_intervention(self) -> bool:
@@ -58,14 +59,14 @@ def analyze(path: str | Path) -> Analysis:
     if len(base) and (base["n_layers"].nunique() > 1 or base["qk_init"].nunique() > 1 or not parts):
         parts.append(A.claims_main(base))
         sens = A.sensitivity(base)
-        tables = {"sensitivity": sens, "seed_agreement": A.seed_agreement(base)}
+        tables = {"sensitivity": sens, "seed_agreement": A.seed_agreement(base), "horizon": A.horizon(base)}
     claims = pd.concat(parts, ignore_index=True)
     for name, df in {"summary": traj, "claims": claims, **tables}.items():
         buf = io.BytesIO()
         df.to_parquet(buf, index=False)
         atomic_write_bytes(path / f"{name}.parquet", buf.getvalue())
         atomic_write_bytes(path / f"{name}.csv", df.to_csv(index=False).encode())
-    return Analysis(path, geometry, metrics, traj, claims, sens, skipped)
+    return Analysis(path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"))
 
 
 VERDICT_WINDOWS = ("post-transient", "final", "post-transient mean")
@@ -170,6 +171,11 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
         figs["pr_trajectories"] = ("PR_Q and PR_K (layer mean) per depth and init.", plots.pr_trajectories(base))
         figs["contrast_heatmap"] = ("PR_Q - PR_K per layer over training (seed mean).", plots.contrast_heatmap(base))
         figs["entropy_vs_prk"] = ("Attention entropy against PR_K.", plots.entropy_vs_prk(base))
+        if a.horizon is not None and len(a.horizon):
+            figs["horizon"] = (
+                "Each claim (all runs, post-transient) judged on the runs truncated at growing step counts.",
+                plots.sensitivity(a.horizon, "Training length"),
+            )
         if len(a.sensitivity):
             figs["window_sensitivity"] = (
                 "Each claim (all runs) judged from the detected transient end and from fixed window starts.",

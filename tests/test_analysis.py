@@ -100,7 +100,7 @@ def test_post_transient_window_is_detected_per_run():
     q = claim(c, "PR_Q grows: slope of PR_Q vs training progress", window="post-transient")
     assert q["value"] == pytest.approx(0.5) and "median step 10" in q["window_start"]
     sens = A.sensitivity(df)
-    assert set(sens["window"]) == {"post-transient", "from 0", "from 0.1", "from 0.2", "from 0.333333", "from 0.5"}
+    assert set(sens["window"]) == {"post-transient", "from 0", "from 0.1", "from 0.2", "from 0.33", "from 0.5"}
 
 
 def test_contrast_fraction_counts_trajectories():
