@@ -169,6 +169,8 @@ def family_trends(geometry: pd.DataFrame, early_max_step: int = 1000) -> pd.Data
     rows = []
     for part, sel in (("early", c["step"] <= early_max_step), ("late", c["step"] > early_max_step)):
         sub = c[sel]
+        if sub["step"].nunique() < 3:  # a single model, or too few revisions in this window: no trend
+            continue
         groups = [(str(layer), x.groupby("step")["value"].mean()) for layer, x in sub.groupby("layer")]
         groups.append(("mean", sub.groupby("step")["value"].mean()))
         for layer, series in groups:
@@ -183,7 +185,7 @@ def family_trends(geometry: pd.DataFrame, early_max_step: int = 1000) -> pd.Data
                     "n": n,
                 }
             )
-    heads = g[g["head"] >= 0]
+    heads = geometry[geometry["head"] >= 0]  # every revision, step-less ones (a single model) included
     for rev, x in heads.groupby("revision"):
         ir = x[x["metric"] == "interaction_rank"].set_index(["layer", "head"])["value"]
         en = x[(x["metric"] == "attention_entropy") & (x["site"] == site)].set_index(["layer", "head"])["value"]

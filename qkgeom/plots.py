@@ -269,3 +269,36 @@ def sensitivity(claims: pd.DataFrame, what: str = "Window sensitivity") -> Figur
     fig.suptitle(f"{what} (green: holds, red: fails, gray: inconclusive)", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def model_heads(geometry: pd.DataFrame, revision: str) -> Figure:
+    """One model (one revision): layer PR_Q and PR_K, per-head normalised attention entropy, and
+    interaction rank against entropy across heads (the gauge-invariant link)."""
+    g = geometry[geometry["revision"] == revision]
+    site = "post_rotary" if (g["site"] == "post_rotary").any() else "none"
+    act = g[g["site"] == site]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    layer = act[act["head"] == -1].pivot_table(index="layer", columns="metric", values="value")
+    for side in ("query", "key"):
+        axes[0].plot(layer.index, layer[f"{side}_participation_ratio"], "-o", ms=3, color=COLORS[side],
+                     label=f"PR_{side[0].upper()}")  # fmt: skip
+    axes[0].set_xlabel("layer")
+    axes[0].set_ylabel("participation ratio (layer)")
+    axes[0].legend()
+    ent = act[(act["metric"] == "attention_entropy_normalised") & (act["head"] >= 0)]
+    grid = ent.pivot_table(index="layer", columns="head", values="value")
+    im = axes[1].imshow(grid.to_numpy(), aspect="auto", cmap="viridis", vmin=0, vmax=1, origin="lower")
+    fig.colorbar(im, ax=axes[1], label="normalised attention entropy")
+    axes[1].set_xlabel("head")
+    axes[1].set_ylabel("layer")
+    heads = g[g["head"] >= 0]
+    ir = heads[heads["metric"] == "interaction_rank"].set_index(["layer", "head"])["value"]
+    en = ent.set_index(["layer", "head"])["value"]
+    both = pd.concat([ir.rename("ir"), en.rename("en")], axis=1, join="inner")
+    sc = axes[2].scatter(both["ir"], both["en"], c=both.index.get_level_values("layer"), cmap="viridis", s=12)
+    fig.colorbar(sc, ax=axes[2], label="layer")
+    axes[2].set_xlabel("interaction rank (W_Q W_K^T)")
+    axes[2].set_ylabel("normalised attention entropy")
+    fig.suptitle(f"{revision}: per layer and per head (site {site})")
+    fig.tight_layout()
+    return fig

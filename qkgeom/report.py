@@ -288,18 +288,29 @@ def write_family_report(path: str | Path, early_max_step: int = 1000) -> Path:
         "identically to an earlier one are flagged (public checkpoint suites are known to serve duplicated "
         "revisions).</p>",
     ]
+    figures = []
     if geometry["step"].ge(0).any():
-        png = _png(plots.family_contrast(geometry, revs))
-        atomic_write_bytes(out / "family_contrast.png", png)
+        figures.append(("family_contrast", plots.family_contrast(geometry, revs), "PR_Q - PR_K per layer against step"))
+    for rev in list(revs["revision"])[-1:] if len(revs) > 1 else list(revs["revision"]):
+        figures.append(("model_heads", plots.model_heads(geometry, rev), f"{rev}: per layer and per head"))
+    for name, fig, caption in figures:
+        png = _png(fig)
+        atomic_write_bytes(out / f"{name}.png", png)
         parts.append(
-            f"<figure><img alt='family_contrast' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
-            "<figcaption>PR_Q - PR_K per layer against step (family_contrast.png)</figcaption></figure>"
+            f"<figure><img alt='{name}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+            f"<figcaption>{html.escape(caption)} ({name}.png)</figcaption></figure>"
         )
+    layer_values = geometry[geometry["head"] == -1].pivot_table(
+        index=["revision", "site", "layer"], columns="metric", values="value"
+    )
     parts += [
         "<h2>Trend statistics</h2>",
         trends.to_html(index=False, float_format=lambda v: f"{v:.4g}"),
         "<h2>Revisions</h2>",
         revs.to_html(index=False),
+        "<details><summary><b>Per-layer values</b></summary>",
+        layer_values.reset_index().to_html(index=False, float_format=lambda v: f"{v:.4g}"),
+        "</details>",
     ]
     doc = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>qkgeom family: {html.escape(path.name)}</title>"

@@ -145,3 +145,28 @@ def test_cli_export_then_pretrained_family(exported, tmp_path):
         cwd=REPO,
     )
     assert r.returncode == 2 and "revision 'step_3' does not exist" in r.stderr and r.stderr.count("\n") == 1
+
+
+def test_single_model_is_a_complete_result(exported, tmp_path):
+    # one revision, as `qkgeom pretrained MODEL` gives: figures, per-layer values and the across-heads
+    # correlation of interaction rank and entropy; no trend rows over a single step (were NaN rows)
+    import subprocess
+    import sys
+
+    import pandas as pd
+
+    from tests.conftest import REPO
+
+    _, _, hf_root, _ = exported
+    out = tmp_path / "one"
+    r = subprocess.run(
+        [sys.executable, "-m", "qkgeom.cli", "pretrained", str(hf_root / "step_12"), "--n-tokens", "1024",
+         "--batch-size", "4", "--out", str(out), "--no-progress"],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    trends = pd.read_csv(out / "trends.csv")
+    assert list(trends["statistic"]) == ["Spearman(interaction rank, attention entropy) across heads"]
+    assert trends["n"].iloc[0] == 2 * 4 and np.isfinite(trends["rho"].iloc[0])  # 2 layers x 4 heads
+    html = (out / "report" / "index.html").read_text()
+    assert (out / "report" / "model_heads.png").is_file() and "model_heads" in html and "Per-layer values" in html
