@@ -146,6 +146,10 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 
 def cmd_pretrained(args: argparse.Namespace) -> int:
+    from qkgeom.archs import check_model_type
+
+    for rev in args.revision or [None]:  # an unsupported local model: one line at once, nothing imported
+        check_model_type(args.model, rev)
     from transformers.utils import logging as hf_logging
 
     from qkgeom import family as F
@@ -324,26 +328,11 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `qkgeom sweep smoke --dry-run | head` ends quietly
     args = build_parser().parse_args(argv)
-    from qkgeom.analysis import AnalysisError
-    from qkgeom.data import DataError
-    from qkgeom.results import CheckpointError, FolderLockedError
-    from qkgeom.sweep import SweepError
-    from qkgeom.train import TrainingError
-
     try:
         return args.fn(args)
-    except (
-        C.ConfigError,
-        SweepError,
-        AnalysisError,
-        DataError,
-        CheckpointError,
-        FolderLockedError,
-        TrainingError,
-        ValueError,
-    ) as e:
-        print(f"qkgeom {args.command}: error: {e}", file=sys.stderr)
-        return 2
+    except KeyboardInterrupt:
+        print(f"qkgeom {args.command}: interrupted (finished files are kept; use --resume)", file=sys.stderr)
+        return 130
     except OSError as e:  # unwritable or full disk, --out on a file, ...: finished files are kept
         where = f": {e.filename}" if e.filename else ""
         print(
@@ -351,9 +340,21 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    except KeyboardInterrupt:
-        print(f"qkgeom {args.command}: interrupted (finished files are kept; use --resume)", file=sys.stderr)
-        return 130
+    except Exception as e:
+        if isinstance(e, ValueError) or isinstance(e, _expected_errors()):  # ValueError first: no import needed
+            print(f"qkgeom {args.command}: error: {e}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _expected_errors() -> tuple[type[Exception], ...]:
+    """Errors that mean bad input or a refused operation (one line, exit 2), not a bug. Imported
+    here, not at start-up, so that a command failing early never pays for torch's import."""
+    from qkgeom.data import DataError
+    from qkgeom.results import CheckpointError, FolderLockedError
+    from qkgeom.train import TrainingError
+
+    return (CheckpointError, DataError, FolderLockedError, TrainingError)
 
 
 if __name__ == "__main__":

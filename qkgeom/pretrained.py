@@ -12,115 +12,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch import nn
 
+from qkgeom.archs import ADD_ARCH_HINT, ARCHS, PretrainedError, arch_of, check_model_type
 from qkgeom.probe import GeometryAccumulator, weight_geometry
 
 Tensor = torch.Tensor
 ATTN_IMPL = "qkgeom"
-
-
-class PretrainedError(ValueError):
-    """A model, revision or input that cannot be analysed; the message names it."""
-
-
-def _heads_from_linear(weight: Tensor, n_heads: int) -> Tensor:
-    """nn.Linear weight (H*E, D) -> (H, D, E) in the q = x W convention."""
-    return weight.detach().T.reshape(weight.shape[1], n_heads, -1).permute(1, 0, 2)
-
-
-def _attn_modules(model: nn.Module, attr: str) -> list[nn.Module]:
-    return [
-        m for m in model.modules() if hasattr(m, attr) and type(m).__name__.endswith(("Attention", "SelfAttention"))
-    ]
-
-
-@dataclass(frozen=True)
-class Arch:
-    """How to read one architecture: its attention modules, weights and pre-rotary projections."""
-
-    proj: str  # attribute naming the query (or fused qkv) projection
-    rotary: bool
-    causal: bool
-
-    def weights(self, model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
-        cfg = model.config
-        H = cfg.num_attention_heads
-        H_kv = getattr(cfg, "num_key_value_heads", None) or H
-        w_q, w_k = [], []
-        for m in _attn_modules(model, self.proj):
-            if self.proj == "c_attn":  # GPT-2 Conv1D: weight (D, 3D), q | k | v column blocks
-                D = m.c_attn.weight.shape[0]
-                w = m.c_attn.weight.detach()
-                w_q.append(w[:, :D].reshape(D, H, -1).permute(1, 0, 2))
-                w_k.append(w[:, D : 2 * D].reshape(D, H, -1).permute(1, 0, 2))
-            elif self.proj == "query_key_value":  # GPT-NeoX: out features interleaved per head [q|k|v]
-                w = m.query_key_value.weight.detach().T  # (D, 3D)
-                w = w.reshape(w.shape[0], H, 3, -1)
-                w_q.append(w[:, :, 0].permute(1, 0, 2))
-                w_k.append(w[:, :, 1].permute(1, 0, 2))
-            elif self.proj == "q_proj":
-                w_q.append(_heads_from_linear(m.q_proj.weight, H))
-                w_k.append(_heads_from_linear(m.k_proj.weight, H_kv))
-            else:  # BERT: query / key Linear
-                w_q.append(_heads_from_linear(m.query.weight, H))
-                w_k.append(_heads_from_linear(m.key.weight, H))
-        return w_q, w_k
-
-    def pre_rotary_hooks(self, model: nn.Module, store: dict[int, dict[str, Tensor]]) -> list:
-        """Forward hooks recording pre-rotary q, k (B, H, T, E) per layer index."""
-        if not self.rotary:
-            return []
-        cfg = model.config
-        H = cfg.num_attention_heads
-        H_kv = getattr(cfg, "num_key_value_heads", None) or H
-        handles = []
-        for i, m in enumerate(_attn_modules(model, self.proj)):
-
-            def split(t: Tensor, heads: int) -> Tensor:
-                return t.view(t.shape[0], t.shape[1], heads, -1).transpose(1, 2)  # (B, T, H*E) -> (B, H, T, E)
-
-            if self.proj == "query_key_value":
-
-                def hook(mod, inp, out, i=i):
-                    q, k, _ = split(out, H).chunk(3, dim=-1)  # per head [q|k|v]
-                    store[i] = {"q": q.detach(), "k": k.detach()}
-
-                handles.append(m.query_key_value.register_forward_hook(hook))
-            else:
-                handles.append(
-                    m.q_proj.register_forward_hook(
-                        lambda mod, inp, out, i=i: store.setdefault(i, {}).__setitem__("q", split(out, H).detach())
-                    )
-                )
-                handles.append(
-                    m.k_proj.register_forward_hook(
-                        lambda mod, inp, out, i=i: store.setdefault(i, {}).__setitem__("k", split(out, H_kv).detach())
-                    )
-                )
-        return handles
-
-
-ARCHS = {
-    "gpt2": Arch("c_attn", rotary=False, causal=True),
-    "gpt_neox": Arch("query_key_value", rotary=True, causal=True),
-    "llama": Arch("q_proj", rotary=True, causal=True),
-    "qwen2": Arch("q_proj", rotary=True, causal=True),
-    "mistral": Arch("q_proj", rotary=True, causal=True),
-    "bert": Arch("query", rotary=False, causal=False),
-}
-
-
-def arch_of(model: nn.Module) -> Arch:
-    mt = model.config.model_type
-    if mt not in ARCHS:
-        raise PretrainedError(f"unsupported model type {mt!r}; supported: {', '.join(sorted(ARCHS))}")
-    return ARCHS[mt]
 
 
 class _Recorder:
@@ -136,13 +38,19 @@ class _Recorder:
 RECORDER = _Recorder()
 
 
-def qkgeom_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Eager attention that also streams q, k and the pattern of this layer into the recorder."""
+def qkgeom_attention(
+    module, query, key, value, attention_mask, scaling=None, dropout=0.0, softcap=None, **kwargs
+):  # fmt: skip
+    """Eager attention that also streams q, k and the pattern of this layer into the recorder.
+    `softcap` (Gemma 2): scores -> softcap * tanh(scores / softcap) before the mask, as the model does."""
     B, H, T, E = query.shape
     groups = H // key.shape[1]
     k = key.repeat_interleave(groups, dim=1)
     v = value.repeat_interleave(groups, dim=1)
-    scores = query @ k.transpose(-1, -2) * (scaling if scaling is not None else E**-0.5)  # (B, H, T, S)
+    scale = scaling if scaling is not None else E**-0.5
+    scores = query @ k.transpose(-1, -2) * scale  # (B, H, T, S)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     S = k.shape[-2]
     if attention_mask is not None:  # eager-style additive float mask (or boolean), (B, 1, T, S)
         mask = attention_mask[..., :S]
@@ -160,11 +68,14 @@ def qkgeom_attention(module, query, key, value, attention_mask, scaling=None, dr
         support = allowed.expand(B, -1, T, S)[:, 0].sum(-1)  # (B, T) keys visible to each query
         causal = bool(getattr(module, "is_causal", False))
         pre = rec.pre.pop(layer) if "post_rotary" in rec.active else None
+        # the logit spectrum is of the scores the model uses: q k^T * scale (e.g. Gemma's
+        # query_pre_attn_scalar, OPT's pre-scaled q with scale 1), not always q k^T / sqrt(E)
+        logit_scale = scale * E**0.5
         if pre is not None:
-            rec.active["post_rotary"].update_layer(layer, query, key, pattern, support, causal)
+            rec.active["post_rotary"].update_layer(layer, query, key, pattern, support, causal, logit_scale=logit_scale)
             rec.active["pre_rotary"].update_layer(layer, pre["q"], pre["k"], None, support, causal)
         else:
-            rec.active["none"].update_layer(layer, query, key, pattern, support, causal)
+            rec.active["none"].update_layer(layer, query, key, pattern, support, causal, logit_scale=logit_scale)
         if rec.keep is not None:
             rec.keep.append(
                 {
@@ -172,6 +83,8 @@ def qkgeom_attention(module, query, key, value, attention_mask, scaling=None, dr
                     "q": query.detach(),
                     "k": key.detach(),
                     "pattern": pattern.detach(),
+                    "scale": scale,
+                    "softcap": softcap,
                     **({"pre_q": pre["q"], "pre_k": pre["k"]} if "post_rotary" in rec.active else {}),
                 }
             )
@@ -227,6 +140,7 @@ def _load_error(name: str, revision: str | None, e: OSError) -> PretrainedError:
 def load_model(name: str, revision: str | None = None, memory_limit: int | None = None) -> nn.Module:
     """A Hugging Face model by hub name (+ revision, cached by transformers) or local folder, in float32,
     routed through the qkgeom attention. Fails before loading if it cannot fit in memory."""
+    check_model_type(name, revision)  # a local unsupported model: refused before transformers is imported
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     _register()
@@ -236,7 +150,9 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
     except OSError as e:
         raise _load_error(name, revision, e) from None
     if config.model_type not in ARCHS:
-        raise PretrainedError(f"unsupported model type {config.model_type!r}; supported: {', '.join(sorted(ARCHS))}")
+        raise PretrainedError(
+            f"unsupported model type {config.model_type!r}; supported: {', '.join(sorted(ARCHS))}; {ADD_ARCH_HINT}"
+        )
     need, have = int(1.3 * estimate_bytes(config)), memory_limit or available_memory()
     if need > have:
         raise PretrainedError(
@@ -310,7 +226,15 @@ def analyse_model(
         for h in handles:
             h.remove()
     rows = [r for acc in accs.values() for r in acc.rows()]
-    w_rows, w_spectra = weight_geometry(*arch.weights(model), site="pre_rotary" if arch.rotary else "none")
+    w_q, w_k = arch.weights(model)
+    w_rows, w_spectra = weight_geometry(w_q, w_k, site="pre_rotary" if arch.rotary else "none")
+    gains = arch.gains(model)
+    if gains is not None:  # q/k-norm models: the same metrics with the norm gains folded into W_Q, W_K
+        folded_q = [w * g[:, None, :] for w, g in zip(w_q, gains[0], strict=True)]
+        folded_k = [w * g[:, None, :] for w, g in zip(w_k, gains[1], strict=True)]
+        f_rows, f_spectra = weight_geometry(folded_q, folded_k, site="norm_folded")
+        w_rows += f_rows
+        w_spectra |= {f"norm_folded_{k}": v for k, v in f_spectra.items()}
     spectra = {
         (k if site == "none" else f"{site}_{k}"): v for site, acc in accs.items() for k, v in acc.spectra().items()
     }

@@ -95,9 +95,11 @@ class GeometryAccumulator:
         support: Tensor | None = None,
         causal: bool = True,
         token_mask: Tensor | None = None,
+        logit_scale: float = 1.0,
     ) -> None:
         """Add one batch of one layer. q (B, H_q, T, E), k (B, H_kv, T, E), pattern (B, H_q, T, S),
-        support (B, T): keys visible to each query; token_mask (B, T): real tokens."""
+        support (B, T): keys visible to each query; token_mask (B, T): real tokens; logit_scale: the
+        model's scores are q k^T / sqrt(E) times this (1 for the standard scaling)."""
         while len(self.layers) <= layer:
             self.layers.append(
                 _Layer(G.CovarianceAccumulator(self.gram_dtype), G.CovarianceAccumulator(self.gram_dtype))
@@ -111,7 +113,7 @@ class GeometryAccumulator:
             self._update_entropy(st, pattern, support, token_mask)
         room = q.shape[0] if self.logit_max_seqs is None else self.logit_max_seqs - st.logit_n
         if self.logit_spectrum and token_mask is None and room > 0:
-            self._update_logits(st, q[:room], k[:room], causal)
+            self._update_logits(st, q[:room], k[:room], causal, logit_scale)
 
     @staticmethod
     def _update_entropy(st: _Layer, pat: Tensor, support: Tensor, mask: Tensor | None) -> None:
@@ -136,10 +138,10 @@ class GeometryAccumulator:
         st.ent_n += n
 
     @staticmethod
-    def _update_logits(st: _Layer, q: Tensor, k: Tensor, causal: bool) -> None:
+    def _update_logits(st: _Layer, q: Tensor, k: Tensor, causal: bool, logit_scale: float = 1.0) -> None:
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1)  # each query head with the key head it reads
-        sv = G.logit_singular_values(q, k, causal)  # (B, H, T)
+        sv = G.logit_singular_values(q, k, causal) * logit_scale  # (B, H, T)
         pr = G.participation_ratio(sv**2).sum(0).cpu()
         top = sv[..., 0].sum(0).cpu()
         if st.logit_pr_sum is None:

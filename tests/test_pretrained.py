@@ -8,14 +8,22 @@ from transformers import (
     AutoModel,
     AutoModelForCausalLM,
     BertConfig,
+    Gemma2Config,
+    Gemma3TextConfig,
     GPT2Config,
+    GPTBigCodeConfig,
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
+    OPTConfig,
+    Phi3Config,
     Qwen2Config,
+    Qwen3Config,
     T5Config,
 )
 
+from qkgeom import archs as A
 from qkgeom import pretrained as P
 
 SMALL = dict(vocab_size=97)
@@ -34,7 +42,29 @@ CONFIGS = {
     "qwen2": Qwen2Config(num_key_value_heads=1, **DECODER),
     "mistral": MistralConfig(num_key_value_heads=2, sliding_window=None, **DECODER),
     "bert": BertConfig(**DECODER),
+    "qwen3": Qwen3Config(num_key_value_heads=2, head_dim=8, **DECODER),
+    "olmo2": Olmo2Config(num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **DECODER),
+    "gemma2": Gemma2Config(num_key_value_heads=2, head_dim=8, **DECODER),  # logit softcap, query_pre_attn_scalar
+    "gemma3_text": Gemma3TextConfig(num_key_value_heads=2, head_dim=8, **DECODER),
+    "phi3": Phi3Config(num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **DECODER),
+    "opt": OPTConfig(
+        num_hidden_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_dim=64,
+        max_position_embeddings=64,
+        word_embed_proj_dim=32,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        **SMALL,
+    ),  # fmt: skip
+    "gpt_bigcode": GPTBigCodeConfig(
+        n_layer=2, n_embd=32, n_head=4, n_positions=64, multi_query=True, bos_token_id=1, eos_token_id=2, **SMALL
+    ),
 }
+KEY_HEADS = {"llama": 2, "qwen2": 1, "mistral": 2, "qwen3": 2, "olmo2": 2, "gemma2": 2, "gemma3_text": 2, "phi3": 2}
+KEY_HEADS["gpt_bigcode"] = 1  # multi-query
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -46,8 +76,11 @@ def folder(request, tmp_path_factory):
     model = cls.from_config(CONFIGS[name])
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if any(s in n for s in ("c_attn", "query_key_value", "q_proj", "k_proj", "query", "key")) and p.dim() == 2:
-                p.mul_(8)
+            if any(s in n for s in ("c_attn", "query_key_value", "q_proj", "k_proj", "qkv_proj", "query", "key")):
+                if p.dim() == 2:
+                    p.mul_(8)
+            if "q_norm" in n or "k_norm" in n:  # q/k-norm models: peaked attention needs larger gains
+                p.add_(3.0)
     path = tmp_path_factory.mktemp(name)
     model.save_pretrained(path)
     return name, path
@@ -77,7 +110,9 @@ def test_patterns_equal_the_models_own_eager_attention(folder):
         assert mine["layer"] == layer
         # recompute the probabilities from the captured q, k alone
         q, k = mine["q"], mine["k"].repeat_interleave(mine["q"].shape[1] // mine["k"].shape[1], dim=1)
-        scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+        scores = q @ k.transpose(-1, -2) * mine["scale"]
+        if mine["softcap"] is not None:
+            scores = torch.tanh(scores / mine["softcap"]) * mine["softcap"]
         if name != "bert":
             scores = scores.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
         assert torch.allclose(scores.softmax(-1), theirs, atol=1e-5)
@@ -85,8 +120,9 @@ def test_patterns_equal_the_models_own_eager_attention(folder):
     key = "logits" if name != "bert" else "last_hidden_state"
     assert torch.allclose(getattr(out, key), getattr(ref, key), atol=1e-4)
     sites = {r["site"] for r in rows}
-    assert sites == ({"pre_rotary", "post_rotary"} if P.ARCHS[name].rotary else {"none"})
-    n_kv = CONFIGS[name].to_dict().get("num_key_value_heads") or 4
+    expected = {"pre_rotary", "post_rotary"} if P.ARCHS[name].rotary else {"none"}
+    assert sites == expected | ({"norm_folded"} if P.ARCHS[name].qk_norm else set())
+    n_kv = KEY_HEADS.get(name, 4)
     key_heads = {r["head"] for r in rows if r["metric"] == "key_participation_ratio" and r["head"] >= 0}
     assert key_heads == set(range(n_kv))
     ent = [r["value"] for r in rows if r["metric"] == "attention_entropy_normalised" and r["head"] >= 0]
@@ -104,7 +140,7 @@ def test_weight_maps_reproduce_the_projections(folder):
         kept = P.RECORDER.keep
     finally:
         P.RECORDER.keep = None
-    attn = P._attn_modules(model, P.ARCHS[name].proj)[0]
+    attn = A._attn_modules(model, P.ARCHS[name].marker)[0]
     with torch.no_grad():
         if name == "gpt2":
             q = attn.c_attn(x)[:, :32] - attn.c_attn.bias[:32]
@@ -114,6 +150,11 @@ def test_weight_maps_reproduce_the_projections(folder):
             q, k = out[:, :, 0].reshape(5, 32), out[:, :, 1].reshape(5, 32)
         elif name == "bert":
             q, k = attn.query(x) - attn.query.bias, attn.key(x) - attn.key.bias
+        elif name == "phi3":
+            q, k = attn.qkv_proj(x)[:, :32], attn.qkv_proj(x)[:, 32:48]
+        elif name == "gpt_bigcode":
+            out = attn.c_attn(x) - attn.c_attn.bias
+            q, k = out[:, :32], out[:, 32:40]
         else:
             q = attn.q_proj(x) - (attn.q_proj.bias if attn.q_proj.bias is not None else 0)
             k = attn.k_proj(x) - (attn.k_proj.bias if attn.k_proj.bias is not None else 0)
@@ -125,10 +166,20 @@ def test_weight_maps_reproduce_the_projections(folder):
         first = kept[0]
         assert torch.allclose(first["q"][..., 2:], first["pre_q"][..., 2:])
         assert not torch.allclose(first["q"][..., :2], first["pre_q"][..., :2])
-    if name == "llama":
+    if P.ARCHS[name].rotary and name != "gpt_neox":
+        # position 0 is rotated by 0: the pre-rotary site must equal what enters the rotary, i.e. the
+        # *normalised* q/k in q/k-norm models (the raw projection would differ)
         first = kept[0]
-        assert torch.allclose(first["q"][:, :, 0], first["pre_q"][:, :, 0])  # position 0: rotation by 0
+        assert torch.allclose(first["q"][:, :, 0], first["pre_q"][:, :, 0], atol=1e-6)
+        assert torch.allclose(first["k"][:, :, 0], first["pre_k"][:, :, 0], atol=1e-6)
         assert not torch.allclose(first["q"][:, :, 1:], first["pre_q"][:, :, 1:])
+    if P.ARCHS[name].qk_norm:  # weight metrics raw and with the norm gains folded in (all gains are 4 here)
+        rows, _ = P.analyse_model(model, iter([ids(1, 8)]))
+        raw = {(r["layer"], r["head"], r["metric"]): r["value"] for r in rows if r["site"] == "pre_rotary"}
+        folded = {(r["layer"], r["head"], r["metric"]): r["value"] for r in rows if r["site"] == "norm_folded"}
+        key = (0, 0, "interaction_spectral_norm")
+        assert folded[key] == pytest.approx(16 * raw[key], rel=1e-5)  # gains 4 x 4, uniform: spectrum x 16
+        assert folded[(0, 0, "interaction_rank")] == pytest.approx(raw[(0, 0, "interaction_rank")], rel=1e-6)
 
 
 def test_streaming_is_batch_invariant_for_pr(folder):
@@ -150,7 +201,7 @@ def test_streaming_is_batch_invariant_for_pr(folder):
 
 def test_bad_input(tmp_path):
     T5Config(d_model=16, num_layers=1, num_heads=2, d_kv=8, d_ff=16, vocab_size=20).save_pretrained(tmp_path / "t5")
-    with pytest.raises(P.PretrainedError, match="unsupported model type 't5'; supported: bert, gpt2, gpt_neox"):
+    with pytest.raises(P.PretrainedError, match="unsupported model type 't5'; supported: bert, gemma2, .*archs.py"):
         P.load_model(str(tmp_path / "t5"))
     CONFIGS["gpt2"].save_pretrained(tmp_path / "g")
     with pytest.raises(P.PretrainedError, match=r"needs about .* GiB .* only 0.0 GiB available"):
@@ -159,3 +210,19 @@ def test_bad_input(tmp_path):
         next(P.token_batches(np.arange(100), 64, 2, 10_000))
     with pytest.raises(P.PretrainedError, match="cannot load"):
         P.load_model(str(tmp_path / "missing-model-folder"))
+
+
+def test_unsupported_local_model_is_refused_before_torch_is_imported(tmp_path):
+    # the refusal must not wait for torch / transformers (seconds): checked structurally, not timed
+    import subprocess
+    import sys
+
+    (tmp_path / "t5").mkdir()
+    (tmp_path / "t5" / "config.json").write_text('{"model_type": "t5"}')
+    code = (
+        "import sys; from qkgeom.cli import main; rc = main(['pretrained', sys.argv[1]]); "
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'; sys.exit(rc)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t5")], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "supported: bert" in r.stderr, r.stderr
+    assert "qkgeom/archs.py" in r.stderr

@@ -1,0 +1,203 @@
+"""Architectures qkgeom reads: where each model keeps W_Q and W_K, its q/k norm, its pre-rotary q/k.
+
+This is the one place where an architecture is added (see Arch and ARCHS). The module imports no
+torch or transformers at load time, so an unsupported model type is refused in well under a
+second (check_model_type), before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+
+class PretrainedError(ValueError):
+    """A model, revision or input that cannot be analysed; the message names it."""
+
+
+def _heads_from_linear(weight: Tensor, n_heads: int) -> Tensor:
+    """nn.Linear weight (H*E, D) -> (H, D, E) in the q = x W convention."""
+    return weight.detach().T.reshape(weight.shape[1], n_heads, -1).permute(1, 0, 2)
+
+
+def _split(t: Tensor, heads: int) -> Tensor:
+    """(B, T, H*E) -> (B, H, T, E)."""
+    return t.view(t.shape[0], t.shape[1], heads, -1).transpose(1, 2)
+
+
+def _attn_modules(model: nn.Module, attr: str) -> list[nn.Module]:
+    return [
+        m for m in model.modules() if hasattr(m, attr) and type(m).__name__.endswith(("Attention", "SelfAttention"))
+    ]
+
+
+def head_counts(model: nn.Module) -> tuple[int, int]:
+    """(query heads, key heads) of a model's attention layers."""
+    cfg = model.config
+    H = getattr(cfg, "num_attention_heads", None) or cfg.n_head
+    if getattr(cfg, "multi_query", False):  # GPTBigCode's multi-query attention: one key head
+        return H, 1
+    return H, getattr(cfg, "num_key_value_heads", None) or H
+
+
+@dataclass(frozen=True)
+class Arch:
+    """How to read one architecture. Adding one = one entry in ARCHS plus a config in
+    tests/test_pretrained.py's CONFIGS (the parity tests then cover it).
+
+    layout: where W_Q and W_K live in each attention module:
+      `conv1d_qkv` GPT-2 Conv1D c_attn (D, 3D) [q | k | v];  `neox_qkv` GPT-NeoX query_key_value,
+      per-head interleaved [q|k|v];  `linear` separate q_proj / k_proj;  `bert` query / key;
+      `fused_qkv` one qkv_proj Linear [q (H*E) | k (H_kv*E) | v] (Phi-3);  `bigcode` GPTBigCode c_attn
+      Linear, [q (D) | k (E) | v (E)] when multi-query.
+    qk_norm: `head` (RMSNorm over d_head after the projection: Qwen3, Gemma 3), `full` (over H*E:
+      OLMo-2) or none. With one, the pre-rotary site records the *normalised* q/k (what enters the
+      rotary), and weight metrics are also given with the norm gains folded in (site `norm_folded`).
+    gain_offset: 1 where the norm multiplies by (1 + weight) (Gemma), else 0.
+    norm_heads_first: the head norm sees (B, H, T, E) (Gemma 3) rather than (B, T, H, E) (Qwen3).
+    """
+
+    marker: str  # an attribute every attention module of this architecture has
+    layout: str
+    rotary: bool
+    qk_norm: str = ""
+    gain_offset: float = 0.0
+    norm_heads_first: bool = False
+
+    def weights(self, model: nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+        """Per layer W_Q^h (H, D, E) and W_K^h (H_kv, D, E)."""
+        H, H_kv = head_counts(model)
+        w_q, w_k = [], []
+        for m in _attn_modules(model, self.marker):
+            if self.layout == "conv1d_qkv":
+                D = m.c_attn.weight.shape[0]
+                w = m.c_attn.weight.detach()
+                w_q.append(w[:, :D].reshape(D, H, -1).permute(1, 0, 2))
+                w_k.append(w[:, D : 2 * D].reshape(D, H, -1).permute(1, 0, 2))
+            elif self.layout == "neox_qkv":
+                w = m.query_key_value.weight.detach().T  # (D, 3D)
+                w = w.reshape(w.shape[0], H, 3, -1)
+                w_q.append(w[:, :, 0].permute(1, 0, 2))
+                w_k.append(w[:, :, 1].permute(1, 0, 2))
+            elif self.layout == "linear":
+                w_q.append(_heads_from_linear(m.q_proj.weight, H))
+                w_k.append(_heads_from_linear(m.k_proj.weight, H_kv))
+            elif self.layout == "fused_qkv":
+                w, nq = m.qkv_proj.weight, m.o_proj.in_features  # rows: q (H*E), k (H_kv*E), v (H_kv*E)
+                w_q.append(_heads_from_linear(w[:nq], H))
+                w_k.append(_heads_from_linear(w[nq : nq + (w.shape[0] - nq) // 2], H_kv))
+            elif self.layout == "bigcode":
+                w, D = m.c_attn.weight, m.c_attn.weight.shape[1]
+                if H_kv == 1:
+                    E = (w.shape[0] - D) // 2
+                    w_q.append(_heads_from_linear(w[:D], H))
+                    w_k.append(_heads_from_linear(w[D : D + E], 1))
+                else:  # per-head interleaved [q|k|v]
+                    per = w.detach().reshape(H, 3, -1, D)
+                    w_q.append(per[:, 0].transpose(1, 2))
+                    w_k.append(per[:, 1].transpose(1, 2))
+            else:  # bert
+                w_q.append(_heads_from_linear(m.query.weight, H))
+                w_k.append(_heads_from_linear(m.key.weight, H))
+        return w_q, w_k
+
+    def gains(self, model: nn.Module) -> tuple[list[Tensor], list[Tensor]] | None:
+        """Per layer q/k norm gains as (H, E) and (H_kv, E), or None without a q/k norm."""
+        if not self.qk_norm:
+            return None
+        H, H_kv = head_counts(model)
+        g_q, g_k = [], []
+        for m in _attn_modules(model, self.marker):
+            gq = m.q_norm.weight.detach().float() + self.gain_offset
+            gk = m.k_norm.weight.detach().float() + self.gain_offset
+            g_q.append(gq.reshape(H, -1) if self.qk_norm == "full" else gq.expand(H, -1))
+            g_k.append(gk.reshape(H_kv, -1) if self.qk_norm == "full" else gk.expand(H_kv, -1))
+        return g_q, g_k
+
+    def pre_rotary_hooks(self, model: nn.Module, store: dict[int, dict[str, Tensor]]) -> list:
+        """Forward hooks recording pre-rotary q, k (B, H, T, E) per layer index: the projections'
+        output, or the q/k norm's output where the model normalises q and k before the rotary."""
+        if not self.rotary:
+            return []
+        H, H_kv = head_counts(model)
+        handles = []
+
+        def put(i: int, name: str, t: Tensor) -> None:
+            store.setdefault(i, {})[name] = t.detach()
+
+        for i, m in enumerate(_attn_modules(model, self.marker)):
+            if self.layout == "neox_qkv":
+
+                def hook(mod, inp, out, i=i):
+                    q, k, _ = _split(out, H).chunk(3, dim=-1)  # per head [q|k|v]
+                    put(i, "q", q)
+                    put(i, "k", k)
+
+                handles.append(m.query_key_value.register_forward_hook(hook))
+            elif self.layout == "fused_qkv":
+
+                def hook(mod, inp, out, i=i, m=m):
+                    nq = m.o_proj.in_features
+                    nk = (out.shape[-1] - nq) // 2
+                    put(i, "q", _split(out[..., :nq], H))
+                    put(i, "k", _split(out[..., nq : nq + nk], H_kv))
+
+                handles.append(m.qkv_proj.register_forward_hook(hook))
+            else:
+                q_mod, k_mod = (m.q_norm, m.k_norm) if self.qk_norm else (m.q_proj, m.k_proj)
+
+                def shaped(out: Tensor, heads: int) -> Tensor:
+                    if out.dim() == 3:  # (B, T, H*E): a projection, or OLMo-2's norm over all heads
+                        return _split(out, heads)
+                    return out if self.norm_heads_first else out.transpose(1, 2)  # (B, H, T, E) or (B, T, H, E)
+
+                handles.append(q_mod.register_forward_hook(lambda mod, inp, out, i=i: put(i, "q", shaped(out, H))))
+                handles.append(k_mod.register_forward_hook(lambda mod, inp, out, i=i: put(i, "k", shaped(out, H_kv))))
+        return handles
+
+
+# The one place where an architecture is added (see Arch).
+ARCHS = {
+    "gpt2": Arch("c_attn", "conv1d_qkv", rotary=False),
+    "gpt_bigcode": Arch("c_attn", "bigcode", rotary=False),
+    "gpt_neox": Arch("query_key_value", "neox_qkv", rotary=True),
+    "llama": Arch("q_proj", "linear", rotary=True),
+    "qwen2": Arch("q_proj", "linear", rotary=True),
+    "mistral": Arch("q_proj", "linear", rotary=True),
+    "qwen3": Arch("q_proj", "linear", rotary=True, qk_norm="head"),
+    "olmo2": Arch("q_proj", "linear", rotary=True, qk_norm="full"),
+    "gemma2": Arch("q_proj", "linear", rotary=True, gain_offset=1.0),
+    "gemma3_text": Arch("q_proj", "linear", rotary=True, qk_norm="head", gain_offset=1.0, norm_heads_first=True),
+    "phi3": Arch("qkv_proj", "fused_qkv", rotary=True),
+    "opt": Arch("q_proj", "linear", rotary=False),
+    "bert": Arch("query", "bert", rotary=False),
+}
+ADD_ARCH_HINT = "add one in qkgeom/archs.py (ARCHS, see Arch) with a parity test in tests/test_pretrained.py"
+
+
+def arch_of(model: nn.Module) -> Arch:
+    mt = model.config.model_type
+    if mt not in ARCHS:
+        raise PretrainedError(f"unsupported model type {mt!r}; supported: {', '.join(sorted(ARCHS))}; {ADD_ARCH_HINT}")
+    return ARCHS[mt]
+
+
+def check_model_type(name: str, revision: str | None = None) -> None:
+    """Refuse an unsupported local model at once (reads config.json only; hub names are checked
+    after download by arch_of)."""
+    p = Path(name)
+    folder = p / revision if revision and (p / revision / "config.json").is_file() else p
+    if (folder / "config.json").is_file():
+        try:
+            mt = json.loads((folder / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            return  # transformers will report the broken file with its own message
+        if mt not in ARCHS:
+            raise PretrainedError(
+                f"unsupported model type {mt!r}; supported: {', '.join(sorted(ARCHS))}; {ADD_ARCH_HINT}"
+            )
