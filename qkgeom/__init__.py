@@ -16,3 +16,10 @@ def load_runs(path: str | Path) -> pd.DataFrame:
     from qkgeom.analysis import load_runs as _load_runs
 
     return _load_runs(path)
+
+
+def measure(q, k, pattern=None, causal: bool = True, w_q=None, w_k=None) -> pd.DataFrame:
+    """Geometry rows from your own q, k (and pattern), from any model (see qkgeom.probe.measure)."""
+    from qkgeom.probe import measure as _measure
+
+    return _measure(q, k, pattern, causal, w_q, w_k)

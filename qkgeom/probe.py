@@ -256,6 +256,39 @@ def weight_geometry(
     return rows, spectra
 
 
+def measure(
+    q: list[Tensor] | Tensor,
+    k: list[Tensor] | Tensor,
+    pattern: list[Tensor | None] | Tensor | None = None,
+    causal: bool = True,
+    w_q: list[Tensor] | None = None,
+    w_k: list[Tensor] | None = None,
+):
+    """Bring your own activations: q, k (and optionally the attention pattern) from any source ->
+    the same tidy rows (layer, head, site, metric, value) as a DataFrame.
+
+    q: per layer (B, H_q, T, E), or one such tensor for a single layer; k: per layer (B, H_kv, T, E)
+    (grouped-query: query head h reads key head h // (H_q / H_kv)); pattern: per layer (B, H_q, T, T)
+    rows summing to 1, or None (no entropy rows). causal: T x T causal support (entropy
+    normalisation, logit spectrum). w_q, w_k: optional per-layer (H, D, E) weights for the weight-side
+    metrics. For many batches, stream them through GeometryAccumulator.update instead (memory then
+    does not grow with tokens).
+    """
+    import pandas as pd
+
+    def layers(x) -> list:
+        return [x.detach()] if isinstance(x, Tensor) else [t.detach() if t is not None else None for t in x]
+
+    qs, ks = layers(q), layers(k)
+    pats = layers(pattern) if pattern is not None else [None] * len(qs)
+    acc = GeometryAccumulator()
+    acc.update(QKSnapshot(q=qs, k=ks, pattern=pats, causal=causal))
+    rows = acc.rows()
+    if w_q is not None and w_k is not None:
+        rows += weight_geometry(w_q, w_k)[0]
+    return pd.DataFrame(rows)
+
+
 def gpt_snapshot(model: torch.nn.Module, idx: Tensor) -> QKSnapshot:
     """Run our GPT's explicit attention path on idx (B, T) and capture q, k, pattern per layer."""
     from qkgeom.hooks import capture

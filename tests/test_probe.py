@@ -95,3 +95,34 @@ def test_weight_geometry_orthogonal_heads():
     assert r[(0, 0, "interaction_rank")] == pytest.approx(4.0)
     assert r[(0, 0, "interaction_spectral_norm")] == pytest.approx(2.0)
     assert spectra["W_QK_singular_values"].shape == (1, 1, 4)
+
+
+def test_measure_with_plain_pytorch_hooks_on_a_foreign_model():
+    # the README's "bring your own activations" example: torch.nn.MultiheadAttention, which qkgeom
+    # does not know, read with plain forward hooks; rows must equal an independent computation
+    import qkgeom
+    from qkgeom import geometry as G
+
+    torch.manual_seed(0)
+    D, H, T, B = 16, 2, 10, 3
+    mha = torch.nn.MultiheadAttention(D, H, batch_first=True, bias=False)
+    seen = {}
+    hook = mha.register_forward_hook(lambda m, args, out: seen.update(x=args[0], pattern=out[1]))
+    x = torch.randn(B, T, D)
+    mask = torch.ones(T, T, dtype=torch.bool).triu(1)
+    mha(x, x, x, attn_mask=mask, average_attn_weights=False)
+    hook.remove()
+    w_q, w_k, _ = mha.in_proj_weight.chunk(3)  # (D, D) each, q = x @ w_q.T
+
+    def split(t):
+        return t.view(B, T, H, -1).transpose(1, 2)  # (B, T, D) -> (B, H, T, E)
+
+    q, k, pattern = split(seen["x"] @ w_q.T), split(seen["x"] @ w_k.T), seen["pattern"]
+    rows = qkgeom.measure(q, k, pattern)
+    got = rows.set_index(["layer", "head", "metric"])["value"]
+    for h in range(H):
+        ref_pr = G.participation_ratio(G.covariance_eigenvalues(k[:, h].reshape(-1, 8).double())).item()
+        assert got[(0, h, "key_participation_ratio")] == pytest.approx(ref_pr, rel=1e-9)
+        ent, _ = G.attention_entropy(pattern[:, h].double())
+        assert got[(0, h, "attention_entropy")] == pytest.approx(ent[:, 1:].mean().item(), rel=1e-6)
+    assert {"logit_participation_ratio", "participation_ratio_contrast"} <= set(rows["metric"])
