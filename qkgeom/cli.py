@@ -174,9 +174,9 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
         key = str(vocab) if vocab.is_file() else (args.tokenizer or args.model)
         if key not in cache:
             cache[key] = (
-                Vocab.from_json(vocab.read_text()).encode(text).astype("int64")
+                (Vocab.from_json(vocab.read_text()).encode(text).astype("int64"), ())
                 if vocab.is_file()
-                else text_tokens(path, text, args.tokenizer)
+                else text_tokens(path, text, args.tokenizer, special_tokens=not args.strip_special_tokens)
             )
         return cache[key]
 
@@ -299,6 +299,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq-len", type=int, default=256, help="sequence length (default 256; capped at the model's context)"
     )
     p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    p.add_argument(
+        "--strip-special-tokens",
+        action="store_true",
+        help="do not open each sequence with the model's own start tokens (BOS/CLS; by default they are "
+        "used as in training, and recorded as start_tokens in each revision's config.json)",
+    )
     p.add_argument("--early-max-step", type=int, default=1000, help="last step of the early window (default 1000)")
     _add_output_args(p, "RUNS/pretrained/<model>")
     p.add_argument(

@@ -53,7 +53,7 @@ def analyse_revision(
     name: str,
     revision: str | None,
     out: Path,
-    tokens_fn: Callable[[str], np.ndarray],
+    tokens_fn: Callable[[str], tuple[np.ndarray, tuple[int, ...]]],
     n_tokens: int,
     seq_len: int,
     batch_size: int,
@@ -70,8 +70,9 @@ def analyse_revision(
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     seq_len = min(seq_len, limit) if limit else seq_len  # e.g. our exported runs have n_ctx < 256
     path, _ = resolve_revision(name, revision)
-    tokens = tokens_fn(path)
-    rows, spectra = analyse_model(model, token_batches(tokens, seq_len, batch_size, n_tokens), progress=progress)
+    tokens, prefix = tokens_fn(path)
+    batches = token_batches(tokens, seq_len, batch_size, n_tokens, prefix)
+    rows, spectra = analyse_model(model, batches, progress=progress)
     step = step_of(rev)
     tps = tokens_per_step(path)
     info = {
@@ -81,8 +82,9 @@ def analyse_revision(
         "tokens_seen": step * tps if step is not None and tps else None,
         "weights_sha256": weights_digest(model),
         "model_type": model.config.model_type,
-        "n_tokens": min(n_tokens, len(tokens)) // (seq_len * batch_size) * seq_len * batch_size,
+        "n_tokens": min(n_tokens, len(tokens)) // ((seq_len - len(prefix)) * batch_size) * seq_len * batch_size,
         "seq_len": seq_len,
+        "start_tokens": list(prefix),  # the model's own special tokens opening every sequence ([] if stripped)
         "batch_size": batch_size,
         "provenance": provenance(),
     }
@@ -100,7 +102,7 @@ def analyse_family(
     name: str,
     revisions: list[str | None],
     out: Path,
-    tokens_fn: Callable[[str], np.ndarray],
+    tokens_fn: Callable[[str], tuple[np.ndarray, tuple[int, ...]]],
     n_tokens: int,
     seq_len: int,
     batch_size: int,

@@ -175,18 +175,23 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
-def token_batches(tokens: np.ndarray, seq_len: int, batch_size: int, n_tokens: int) -> Iterator[Tensor]:
-    """Consecutive non-overlapping (batch_size, seq_len) batches covering n_tokens tokens."""
-    per_batch = seq_len * batch_size
-    n_batches = min(n_tokens, len(tokens)) // per_batch
+def token_batches(
+    tokens: np.ndarray, seq_len: int, batch_size: int, n_tokens: int, prefix: tuple[int, ...] = ()
+) -> Iterator[Tensor]:
+    """Consecutive non-overlapping (batch_size, seq_len) batches covering n_tokens tokens; each
+    sequence starts with `prefix` (the model's own start tokens, e.g. BOS) followed by text."""
+    body = seq_len - len(prefix)
+    per_batch = body * batch_size
+    n_batches = min(n_tokens, len(tokens)) // per_batch if body > 0 else 0
     if n_batches == 0:
         raise PretrainedError(
             f"the text has {len(tokens)} tokens, fewer than one batch "
-            f"({batch_size} x {seq_len} = {per_batch}); lower --batch-size or --seq-len"
+            f"({batch_size} x {seq_len} = {seq_len * batch_size}); lower --batch-size or --seq-len"
         )
+    start = np.broadcast_to(np.asarray(prefix, dtype=np.int64), (batch_size, len(prefix)))
     for b in range(n_batches):
-        chunk = np.asarray(tokens[b * per_batch : (b + 1) * per_batch], dtype=np.int64)
-        yield torch.from_numpy(chunk.reshape(batch_size, seq_len))
+        chunk = np.asarray(tokens[b * per_batch : (b + 1) * per_batch], dtype=np.int64).reshape(batch_size, body)
+        yield torch.from_numpy(np.concatenate([start, chunk], axis=1))
 
 
 @torch.no_grad()
@@ -242,8 +247,12 @@ def analyse_model(
     return rows + w_rows, spectra
 
 
-def text_tokens(name: str, text: str, tokenizer: str | None = None, revision: str | None = None) -> np.ndarray:
-    """Token ids of `text` with the model's own tokenizer (or the one named)."""
+def text_tokens(
+    name: str, text: str, tokenizer: str | None = None, revision: str | None = None, special_tokens: bool = True
+) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Token ids of `text` with the model's own tokenizer (or the one named), and the start tokens
+    the tokenizer puts before every sequence (BOS, CLS; none for GPT-2), or () if `special_tokens`
+    is False. End tokens (EOS, SEP) are not added: sequences are cut from running text."""
     from transformers import AutoTokenizer
 
     try:
@@ -252,4 +261,9 @@ def text_tokens(name: str, text: str, tokenizer: str | None = None, revision: st
         raise PretrainedError(
             f"no tokenizer for {tokenizer or name!r} ({str(e).splitlines()[0]}); pass --tokenizer NAME_OR_FOLDER"
         ) from None
-    return np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    if not special_tokens:
+        return ids, ()
+    plain, full = tok("a", add_special_tokens=False)["input_ids"], tok("a", add_special_tokens=True)["input_ids"]
+    n_start = next((i for i in range(len(full)) if full[i : i + len(plain)] == plain), 0)
+    return ids, tuple(int(t) for t in full[:n_start])

@@ -226,3 +226,28 @@ def test_unsupported_local_model_is_refused_before_torch_is_imported(tmp_path):
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t5")], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "supported: bert" in r.stderr, r.stderr
     assert "qkgeom/archs.py" in r.stderr
+
+
+def _bos_tokenizer(folder):
+    """A real fast tokenizer saved locally that opens every sequence with <s>, as Llama-family ones do."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "a": 2, "b": 3, "c": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", unk_token="<unk>")
+    fast.save_pretrained(folder)
+    return folder
+
+
+def test_sequences_open_with_the_models_own_start_tokens(tmp_path):
+    folder = _bos_tokenizer(tmp_path / "tok")
+    ids, prefix = P.text_tokens(str(folder), "a b c a b c")
+    assert list(ids) == [2, 3, 4, 2, 3, 4] and prefix == (1,)
+    assert P.text_tokens(str(folder), "a b c", special_tokens=False)[1] == ()
+    batches = list(P.token_batches(np.arange(10, 40), seq_len=5, batch_size=2, n_tokens=16, prefix=prefix))
+    assert len(batches) == 2 and batches[0].tolist() == [[1, 10, 11, 12, 13], [1, 14, 15, 16, 17]]
+    assert batches[1][:, 0].tolist() == [1, 1] and batches[1][0, 1] == 18  # text continues, BOS repeats
+    assert next(P.token_batches(np.arange(10, 40), 5, 2, 16))[0].tolist() == [10, 11, 12, 13, 14]  # stripped
