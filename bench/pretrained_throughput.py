@@ -1,10 +1,12 @@
 """`qkgeom pretrained` streaming vs a plain forward with output_attentions=True, in one process.
 
-Model: a randomly initialised Pythia-70M-shaped GPT-NeoX (6 layers, d_model 512, 8 heads, vocab
-50304, partial rotary 25%), built from its config (no hub access). Targets (issue 5): tokens/s
->= 0.7x the plain forward's; peak memory the same at two token counts 10x apart. Peak memory is
-the resident set size sampled every 5 ms during each call, above the level before the call.
-Usage: python bench/pretrained_throughput.py [--tokens 4096] [--seq-len 128] [--batch-size 4]
+Models (random weights, built from configs, no hub access):
+  --shape pythia   Pythia-70M-shaped GPT-NeoX (6 layers, d_model 512, 8 heads, partial rotary 25%)
+  --shape gqa30    SmolLM2-135M-shaped Llama (30 layers, d_model 576, 9 query / 3 key heads)
+Targets (issues 5, 12): tokens/s >= 0.7x the plain forward's with output_attentions (issue 12: on
+gqa30 at >= 8,192 tokens); peak memory the same at two token counts 10x apart. Peak memory is the
+resident set size sampled every 5 ms during each call, above the level before the call.
+Usage: python bench/pretrained_throughput.py [--shape gqa30] [--tokens 8192] [--seq-len 256] [--batch-size 8]
 """
 
 from __future__ import annotations
@@ -50,22 +52,38 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--shape", choices=["pythia", "gqa30"], default="pythia")
+    ap.add_argument("--logit-seqs", type=int, default=16, help="sequences in the logit-spectrum sample (default 16)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from transformers import AutoModelForCausalLM, GPTNeoXConfig
+    from transformers import AutoModelForCausalLM, GPTNeoXConfig, LlamaConfig
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    cfg = GPTNeoXConfig(
-        num_hidden_layers=6,
-        hidden_size=512,
-        num_attention_heads=8,
-        intermediate_size=2048,
-        vocab_size=50304,
-        rotary_pct=0.25,
-        max_position_embeddings=2048,
-    )
-    tokens = np.random.default_rng(0).integers(0, 50304, 10 * args.tokens)
+    if args.shape == "pythia":
+        cfg = GPTNeoXConfig(
+            num_hidden_layers=6,
+            hidden_size=512,
+            num_attention_heads=8,
+            intermediate_size=2048,
+            vocab_size=50304,
+            rotary_pct=0.25,
+            max_position_embeddings=2048,
+        )
+        label = "Pythia-70M-shaped GPT-NeoX"
+    else:
+        cfg = LlamaConfig(
+            num_hidden_layers=30,
+            hidden_size=576,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            intermediate_size=1536,
+            vocab_size=49152,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+        )
+        label = "SmolLM2-135M-shaped Llama (30 layers, 9/3 GQA heads)"
+    tokens = np.random.default_rng(0).integers(0, cfg.vocab_size, 10 * args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp)
@@ -78,13 +96,13 @@ def main() -> None:
                 plain(input_ids=idx, output_attentions=True)
 
     def run_ours(n: int) -> None:
-        analyse_model(ours, token_batches(tokens, args.seq_len, args.batch_size, n))
+        analyse_model(ours, token_batches(tokens, args.seq_len, args.batch_size, n), logit_max_seqs=args.logit_seqs)
 
     run_plain(args.seq_len * args.batch_size)  # warm-up
     run_ours(args.seq_len * args.batch_size)
     print(
-        f"Pythia-70M-shaped GPT-NeoX, random weights; batches of {args.batch_size} x {args.seq_len}, "
-        f"{args.threads} threads"
+        f"{label}, random weights; batches of {args.batch_size} x {args.seq_len}, {args.threads} threads, "
+        f"logit spectrum from the first {args.logit_seqs} sequences"
     )
     results = {}
     for n in (args.tokens, 10 * args.tokens):
