@@ -20,12 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import require_wikitext  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
-from qkgeom.sweep import SweepSpec, _execute, expand, load_sweep  # noqa: E402
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
+from qkgeom.sweep import SweepSpec, execute, expand, load_sweep  # noqa: E402
 
 
 def main() -> None:
@@ -43,17 +38,17 @@ def main() -> None:
     load_corpus(runs[0].config.data)  # warm the encoding cache for both
     with tempfile.TemporaryDirectory() as tmp:
         tic = time.perf_counter()
-        st = _execute(runs, Path(tmp) / "seq", 1, cores, "local", None, _NoBar())
+        st = execute(runs, Path(tmp) / "seq", 1, cores, "local", None)
         seq = time.perf_counter() - tic
         tic = time.perf_counter()
-        st += _execute(runs, Path(tmp) / "pool", cores, 1, "local", None, _NoBar())
+        st += execute(runs, Path(tmp) / "pool", cores, 1, "local", None)
         pool = time.perf_counter() - tic
         if args.ray:
-            from qkgeom.distributed import connect
+            from qkgeom.executor import connect
 
             connect(None, num_cpus=cores)  # start-up is not counted: a cluster is already running
             tic = time.perf_counter()
-            st += _execute(runs, Path(tmp) / "ray", cores, 1, "ray", None, _NoBar())
+            st += execute(runs, Path(tmp) / "ray", cores, 1, "ray", None)
             ray_s = time.perf_counter() - tic
     assert all(s["status"] == "done" for s in st), st
     print(f"{len(runs)} runs of {spec.name} ({C.to_dict(runs[0].config)['model']}), {cores} cores")

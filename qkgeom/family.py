@@ -114,26 +114,18 @@ def analyse_family(
     Finished revisions are skipped either way (done.json), so an interrupted family resumes."""
     from tqdm.auto import tqdm
 
-    args = (out, tokens_fn, n_tokens, seq_len, batch_size)
+    from qkgeom.executor import Job, run_jobs
+
+    local_progress = progress and len(revisions) == 1 and executor == "local"
+    jobs = [
+        Job(rev or "main", (name, rev, out, tokens_fn, n_tokens, seq_len, batch_size, local_progress))
+        for rev in revisions
+    ]
     bar = tqdm(total=len(revisions), desc=Path(name).name, unit="rev", disable=not progress or len(revisions) == 1)
     folders = []
-    if executor == "ray":
-        from qkgeom.distributed import _ray, connect
-
-        ray = _ray()
-        connect(address)
-        task = ray.remote(num_cpus=1, max_retries=0)(analyse_revision)
-        pending = [task.remote(name, rev, *args) for rev in revisions]
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1)
-            folders.append(ray.get(done[0]))
-            bar.update(1)
-    elif executor == "local":
-        for rev in revisions:
-            folders.append(analyse_revision(name, rev, *args, progress=progress and len(revisions) == 1))
-            bar.update(1)
-    else:
-        raise ValueError(f"unknown executor {executor!r} (local, ray)")
+    for _, folder in run_jobs(analyse_revision, jobs, executor, workers=1, threads=1, address=address):
+        folders.append(folder)
+        bar.update(1)
     bar.close()
     return folders
 

@@ -16,20 +16,17 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import signal
 import time
 import tomllib
 import traceback
-from concurrent.futures import ProcessPoolExecutor, as_completed
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 
 from qkgeom import config as C
+from qkgeom.executor import Job, JobLost, run_jobs
 from qkgeom.results import RunDir, folder_lock, write_json
 
 SWEEP_KINDS = ("main", "intervention")
@@ -281,8 +278,8 @@ def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_r
     # baselines first: a contract/expand run reads its `none` run's finished spectra
     first = [r for r in todo if not r.config.intervention.baseline]
     then = [r for r in todo if r.config.intervention.baseline]
-    statuses = _execute(first, out, workers, threads, executor, address, bar, gpus_per_run)
-    statuses += _execute(then, out, workers, threads, executor, address, bar, gpus_per_run)
+    statuses = execute(first, out, workers, threads, executor, address, bar, gpus_per_run)
+    statuses += execute(then, out, workers, threads, executor, address, bar, gpus_per_run)
     bar.close()
     for s in statuses:
         if s["status"] == "done":
@@ -293,102 +290,27 @@ def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_r
     return result
 
 
-def _execute(
+def execute(
     todo: list[RunSpec],
     out: Path,
     workers: int,
     threads: int,
     executor: str,
     address: str | None,
-    bar: tqdm,
+    bar: CostBar | None = None,
     gpus_per_run: float = 0.0,
 ) -> list[dict[str, Any]]:
+    """Train `todo` through qkgeom.executor; statuses as runs finish (a run whose worker died twice
+    gets an error.json)."""
+    out = Path(out).resolve()  # Ray tasks may run elsewhere on the shared storage
+    jobs = [Job(r.run_id, (C.to_dict(r.config), str(out / r.run_id), threads)) for r in todo]
     statuses = []
-    if not todo:
-        return statuses
-    if executor == "ray":
-        from qkgeom.distributed import run_ray
-
-        return run_ray(todo, out, threads, address, bar, gpus_per_run)
-    if executor != "local":
-        raise SweepError(f"unknown executor {executor!r} (local, ray)")
-    if workers == 1:
-        for r in todo:
-            statuses.append(run_one(C.to_dict(r.config), str(out / r.run_id), threads))
-            bar.update(1, r.run_id)
-        return statuses
-    return _run_pool(todo, out, workers, threads, bar)
-
-
-def _worker_init() -> None:
-    """In each pool worker: Ctrl-C is the parent's to handle (a worker interrupted during start-up
-    would be poisoned for every later run), and the worker dies with its parent (Linux), so a
-    killed sweep never leaves orphans training the queue."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the parent's SIGTERM handler still ends workers
-        pass
-
-
-def _stop(pool: ProcessPoolExecutor) -> None:
-    """Cancel queued runs and end running ones now (their checkpoints make them resumable)."""
-    pool.shutdown(wait=False, cancel_futures=True)
-    for p in list((pool._processes or {}).values()):
-        p.terminate()
-    for p in list((pool._processes or {}).values()):
-        p.join(timeout=10)
-
-
-def _on_sigterm(signum, frame) -> None:
-    raise KeyboardInterrupt  # handled like Ctrl-C: workers stopped, one line, resumable
-
-
-def _run_pool(todo: list[RunSpec], out: Path, workers: int, threads: int, bar) -> list[dict[str, Any]]:
-    """Run in a spawn pool (a clean interpreter per worker: fork after torch has started threads can
-    deadlock). A worker that dies (OOM killer, kill -9) breaks the pool: its runs are retried once in
-    a fresh pool (they resume from their checkpoints); a run that breaks a pool twice fails with an
-    error.json. Ctrl-C or SIGTERM stops the workers at once."""
-    statuses: list[dict[str, Any]] = []
-    attempts = {r.run_id: 0 for r in todo}
-    queue = list(todo)
-    import threading
-
-    main_thread = threading.current_thread() is threading.main_thread()  # signals only there
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
-    try:
-        while queue:
-            lost: list[RunSpec] = []
-            pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_worker_init)
-            try:
-                futures = {pool.submit(run_one, C.to_dict(r.config), str(out / r.run_id), threads): r for r in queue}
-                for f in as_completed(futures):
-                    try:
-                        statuses.append(f.result())
-                        bar.update(1, statuses[-1]["run_id"])
-                    except BrokenProcessPool:
-                        lost.append(futures[f])
-            except BaseException:
-                _stop(pool)
-                raise
-            pool.shutdown(wait=True)
-            queue = []
-            for r in lost:
-                attempts[r.run_id] += 1
-                if RunDir(out / r.run_id).is_done():
-                    statuses.append({"run_id": r.run_id, "status": "done", "seconds": 0.0})
-                    bar.update(1, r.run_id)
-                elif attempts[r.run_id] < 2:
-                    queue.append(r)
-                else:
-                    msg = "its worker process died twice (killed, or out of memory?)"
-                    (out / r.run_id).mkdir(parents=True, exist_ok=True)
-                    write_json(out / r.run_id / "error.json", {"error": msg, "traceback": ""})
-                    statuses.append({"run_id": r.run_id, "status": "failed", "error": msg, "seconds": 0.0})
-                    bar.update(1, r.run_id)
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+    for run_id, status in run_jobs(run_one, jobs, executor, workers, threads, address, gpus_per_run):
+        if isinstance(status, JobLost):
+            (out / run_id).mkdir(parents=True, exist_ok=True)
+            write_json(out / run_id / "error.json", {"error": str(status), "traceback": ""})
+            status = {"run_id": run_id, "status": "failed", "error": str(status), "seconds": 0.0}
+        statuses.append(status)
+        if bar is not None:
+            bar.update(1, run_id)
     return statuses

@@ -1,4 +1,4 @@
-"""distributed: a tiny grid through a real local Ray instance (2 CPUs) equals the local pool."""
+"""executor: a tiny grid and a family through a real local Ray instance (2 CPUs) equal the local executor."""
 
 import json
 
@@ -48,9 +48,19 @@ def test_ray_family_equals_local(tmp_path, local_ray):
     tokens = np.arange(2048) % 50
     revs = ["step_0", "step_3", "step_6"]
     F.analyse_family(
-        str(tmp_path / "hf"), revs, tmp_path / "ray", lambda _: tokens, 1024, 32, 4, executor="ray", progress=False
+        str(tmp_path / "hf"),
+        revs,
+        tmp_path / "ray",
+        lambda _: (tokens, ()),
+        1024,
+        32,
+        4,
+        executor="ray",
+        progress=False,
     )
-    F.analyse_family(str(tmp_path / "hf"), revs, tmp_path / "local", lambda _: tokens, 1024, 32, 4, progress=False)
+    F.analyse_family(
+        str(tmp_path / "hf"), revs, tmp_path / "local", lambda _: (tokens, ()), 1024, 32, 4, progress=False
+    )
     (ga, ra), (gb, rb) = F.load_family(tmp_path / "ray"), F.load_family(tmp_path / "local")
     assert list(ra["weights_sha256"]) == list(rb["weights_sha256"])
     key = ["revision", "site", "layer", "head", "metric"]

@@ -1,0 +1,149 @@
+"""Run jobs in parallel and yield results as they finish: in-process, a local spawn pool, or Ray.
+
+One executor serves sweeps (a job trains one run) and checkpoint families (a job analyses one
+revision). A job's function must be importable at module level, report expected failures as a
+return value rather than raising, and be resumable: re-running a finished or half-finished job is
+cheap and exact (done.json / checkpoints), which is what makes the retry below safe.
+
+- `local`, workers = 1: in this process, one job after another.
+- `local`, workers > 1: a spawn pool (a clean interpreter per worker: fork after torch has started
+  threads can deadlock). Workers ignore Ctrl-C (the parent handles it) and die with their parent
+  (Linux PDEATHSIG), so a killed sweep leaves no orphans; Ctrl-C or SIGTERM stops them at once. A
+  worker that dies (OOM killer, kill -9) breaks the pool: its jobs are retried once in a fresh
+  pool; a job lost twice comes back as `JobLost`.
+- `ray` (optional extra, pip install 'qkgeom[ray]'): each job a Ray task with `threads` CPUs and
+  `gpus` GPUs, on a running cluster (`address`) or a local instance.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from multiprocessing import get_context
+from typing import Any
+
+EXECUTORS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class Job:
+    key: str
+    args: tuple
+
+
+class JobLost(RuntimeError):
+    """A job whose worker process died twice (killed, or out of memory)."""
+
+
+def run_jobs(
+    fn: Callable[..., Any],
+    jobs: list[Job],
+    executor: str = "local",
+    workers: int = 1,
+    threads: int = 1,
+    address: str | None = None,
+    gpus: float = 0.0,
+) -> Iterator[tuple[str, Any]]:
+    """Yield (job key, fn(*job.args) or a JobLost) as jobs finish."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown executor {executor!r} ({', '.join(EXECUTORS)})")
+    if not jobs:
+        return
+    if executor == "ray":
+        yield from _run_ray(fn, jobs, threads, address, gpus)
+    elif workers == 1:
+        for job in jobs:
+            yield job.key, fn(*job.args)
+    else:
+        yield from _run_pool(fn, jobs, workers)
+
+
+def _worker_init() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker interrupted in start-up would be poisoned
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the parent's SIGTERM handler still ends workers
+        pass
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Cancel queued jobs and end running ones now (resumable jobs lose nothing finished)."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in list((pool._processes or {}).values()):
+        p.terminate()
+    for p in list((pool._processes or {}).values()):
+        p.join(timeout=10)
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt  # handled like Ctrl-C: workers stopped, one line, resumable
+
+
+def _run_pool(fn: Callable[..., Any], jobs: list[Job], workers: int) -> Iterator[tuple[str, Any]]:
+    attempts = {job.key: 0 for job in jobs}
+    queue = list(jobs)
+    main_thread = threading.current_thread() is threading.main_thread()  # signal handlers only there
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:
+        while queue:
+            lost: list[Job] = []
+            pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_worker_init)
+            try:
+                futures = {pool.submit(fn, *job.args): job for job in queue}
+                for f in as_completed(futures):
+                    try:
+                        result = f.result()
+                    except BrokenProcessPool:
+                        lost.append(futures[f])
+                        continue
+                    yield futures[f].key, result
+            except BaseException:  # Ctrl-C, SIGTERM, or the consumer stopped: no orphans
+                _stop(pool)
+                raise
+            pool.shutdown(wait=True)
+            queue = []
+            for job in lost:
+                attempts[job.key] += 1
+                if attempts[job.key] < 2:
+                    queue.append(job)
+                else:
+                    yield job.key, JobLost("its worker process died twice (killed, or out of memory?)")
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise ImportError("the Ray executor needs Ray: pip install 'qkgeom[ray]'") from None
+    return ray
+
+
+def connect(address: str | None, num_cpus: int | None = None) -> None:
+    """Join the cluster at `address` ("auto" inside `ray start` / Slurm), or start a local instance."""
+    ray = _ray()
+    if not ray.is_initialized():
+        if address:
+            ray.init(address=address, log_to_driver=False)
+        else:
+            ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
+
+
+def _run_ray(
+    fn: Callable[..., Any], jobs: list[Job], threads: int, address: str | None, gpus: float
+) -> Iterator[tuple[str, Any]]:
+    ray = _ray()
+    connect(address)
+    task = ray.remote(num_cpus=threads, num_gpus=gpus, max_retries=0)(fn)
+    pending = {task.remote(*job.args): job.key for job in jobs}
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        yield pending.pop(done[0]), ray.get(done[0])

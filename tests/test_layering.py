@@ -1,0 +1,48 @@
+"""The package's import graph: imports flow one way, with no circle and no arrow running back up.
+
+Every qkgeom import counts, at module level or inside a function. Layer k may import only from
+layers < k. The README's "code in five minutes" tree lists the modules in this order.
+"""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "qkgeom"
+LAYERS = [
+    {"config", "geometry", "stats", "archs", "hooks", "plots", "executor"},  # pure maths, tables, plumbing
+    {"data", "interventions", "model"},
+    {"results", "probe"},
+    {"pretrained", "train"},
+    {"analysis"},
+    {"sweep", "family"},
+    {"report"},
+    {"cli", "__init__"},
+]
+
+
+def imports_of(path: Path) -> set[str]:
+    deps = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "qkgeom":
+            parts = node.module.split(".")
+            deps |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("qkgeom.")}
+    return deps - {path.stem}
+
+
+def test_every_module_has_a_layer():
+    modules = {p.stem for p in PACKAGE.glob("*.py")}
+    placed = set().union(*LAYERS)
+    assert modules == placed, f"unplaced: {modules - placed}, missing: {placed - modules}"
+
+
+def test_imports_only_point_down():
+    level = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+    upward = [
+        f"{p.stem} (layer {level[p.stem]}) imports {d} (layer {level[d]})"
+        for p in sorted(PACKAGE.glob("*.py"))
+        for d in sorted(imports_of(p))
+        if level[d] >= level[p.stem]
+    ]
+    assert not upward, "\n".join(upward)
