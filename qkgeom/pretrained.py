@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -25,17 +28,34 @@ Tensor = torch.Tensor
 ATTN_IMPL = "qkgeom"
 
 
+@dataclass
 class _Recorder:
     """Receives every attention call of one forward pass (see `qkgeom_attention`)."""
 
-    def __init__(self) -> None:
-        self.active: dict[str, GeometryAccumulator] | None = None
-        self.order: dict[int, int] = {}  # id(module) -> layer index, in call order
-        self.pre: dict[int, dict[str, Tensor]] = {}
-        self.keep: list[dict[str, Tensor]] | None = None  # set to [] to keep every call's tensors (tests)
+    active: dict[str, GeometryAccumulator]
+    pre: dict[int, dict[str, Tensor]]  # pre-rotary q/k per layer, filled by the projection / norm hooks
+    keep: list[dict[str, Tensor]] | None = None  # if a list: every call's tensors (tests)
+    order: dict[int, int] = field(default_factory=dict)  # id(module) -> layer index, in call order
 
 
-RECORDER = _Recorder()
+# The attention function is registered with transformers by name, so it reaches the recorder of
+# the forward pass in progress through this context variable; `recording` sets it for a block and
+# always resets it, as the hooks module's context managers do with hooks.
+_ACTIVE: ContextVar[_Recorder | None] = ContextVar("qkgeom_recorder", default=None)
+
+
+@contextmanager
+def recording(model: nn.Module, accs: dict[str, GeometryAccumulator], keep: list | None = None) -> Iterator[None]:
+    """During the block, every attention call of `model` streams into `accs` (and `keep`)."""
+    rec = _Recorder(accs, {}, keep)
+    handles = arch_of(model).pre_rotary_hooks(model, rec.pre)
+    token = _ACTIVE.set(rec)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        for h in handles:
+            h.remove()
 
 
 def qkgeom_attention(
@@ -62,8 +82,8 @@ def qkgeom_attention(
     else:
         allowed = torch.ones(1, 1, T, S, dtype=torch.bool, device=query.device)
     pattern = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-    rec = RECORDER
-    if rec.active is not None:
+    rec = _ACTIVE.get()
+    if rec is not None:
         layer = rec.order.setdefault(id(module), len(rec.order))
         support = allowed.expand(B, -1, T, S)[:, 0].sum(-1)  # (B, T) keys visible to each query
         causal = bool(getattr(module, "is_causal", False))
@@ -201,12 +221,14 @@ def analyse_model(
     progress: bool = False,
     logit_max_seqs: int | None = 16,
     gram_dtype: torch.dtype = torch.float32,
+    keep: list | None = None,
 ) -> tuple[list[dict], dict]:
     """Stream batches through `model`; rows (layer, head, site, metric, value) and spectra.
 
     Every token enters the covariances and entropies; the logit-spectrum summary (T x T SVDs,
     the costly part) uses the first `logit_max_seqs` sequences (None: all). Each batch's centered
-    Gram matrix is formed in `gram_dtype`; means, merges and the running state stay float64."""
+    Gram matrix is formed in `gram_dtype`; means, merges and the running state stay float64.
+    `keep`: a list to receive every attention call's q, k, pattern (and pre-rotary q, k) — for tests."""
     from tqdm.auto import tqdm
 
     arch = arch_of(model)
@@ -220,16 +242,10 @@ def analyse_model(
         }
     else:
         accs = {"none": GeometryAccumulator(True, "none", logit_max_seqs, gram_dtype)}
-    RECORDER.active, RECORDER.order, RECORDER.pre = accs, {}, {}
-    handles = arch.pre_rotary_hooks(model, RECORDER.pre)
     body = getattr(model, "base_model", model)  # the LM head's logits are not needed: skip them
-    try:
+    with recording(model, accs, keep):
         for idx in tqdm(batches, disable=not progress, desc="batches", unit="batch"):
             body(input_ids=idx)
-    finally:
-        RECORDER.active = None
-        for h in handles:
-            h.remove()
     rows = [r for acc in accs.values() for r in acc.rows()]
     w_q, w_k = arch.weights(model)
     w_rows, w_spectra = weight_geometry(w_q, w_k, site="pre_rotary" if arch.rotary else "none")

@@ -96,12 +96,8 @@ def test_patterns_equal_the_models_own_eager_attention(folder):
     cls = AutoModel if name == "bert" else AutoModelForCausalLM
     eager = cls.from_pretrained(path, attn_implementation="eager").eval()
     x = ids()
-    P.RECORDER.keep = []
-    try:
-        rows, spectra = P.analyse_model(ours, iter([x]))
-        kept = P.RECORDER.keep
-    finally:
-        P.RECORDER.keep = None
+    kept = []
+    rows, spectra = P.analyse_model(ours, iter([x]), keep=kept)
     with torch.no_grad():
         ref = eager(input_ids=x, output_attentions=True)
         out = ours(input_ids=x)
@@ -134,12 +130,8 @@ def test_weight_maps_reproduce_the_projections(folder):
     model = P.load_model(str(path))
     w_q, w_k = P.arch_of(model).weights(model)
     x = torch.randn(5, 32)
-    P.RECORDER.keep = []
-    try:
-        P.analyse_model(model, iter([ids(1, 8)]))
-        kept = P.RECORDER.keep
-    finally:
-        P.RECORDER.keep = None
+    kept = []
+    P.analyse_model(model, iter([ids(1, 8)]), keep=kept)
     attn = A._attn_modules(model, P.ARCHS[name].marker)[0]
     with torch.no_grad():
         if name == "gpt2":
