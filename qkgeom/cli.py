@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -150,62 +151,34 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
 
     for rev in args.revision or [None]:  # an unsupported local model: one line at once, nothing imported
         check_model_type(args.model, rev)
+    flags = {
+        "model": args.model,
+        "revisions": args.revision or None,
+        "family": args.family,
+        "every": args.every,
+        "all_revisions": args.all_revisions,
+        "text": args.text,
+        "tokenizer": args.tokenizer,
+        "n_tokens": args.n_tokens,
+        "seq_len": args.seq_len,
+        "batch_size": args.batch_size,
+        "strip_special_tokens": args.strip_special_tokens,
+        "early_max_step": args.early_max_step,
+    }  # flags given on the command line override the --config file; --set overrides both
+    overrides = [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None] + args.overrides
+    pc = C.load_pretrained(args.config, overrides)
     from transformers.utils import logging as hf_logging
 
-    from qkgeom import family as F
-    from qkgeom.data import Vocab, resolve_source, wikitext_mirror
-    from qkgeom.pretrained import text_tokens
+    from qkgeom.family import run_pretrained
     from qkgeom.report import write_family_report
 
     hf_logging.disable_progress_bar()  # per-revision weight-loading bars drown the overall one
     hf_logging.set_verbosity_error()
-    if args.text:
-        text_path = Path(args.text)
-    else:  # raw WikiText-2 validation text where the mirror has it, else the named corpus
-        raw = wikitext_mirror() / "wikitext-2-raw" / "valid.txt"
-        text_path = raw if raw.is_file() else resolve_source("wikitext-2") / "valid.txt"
-    if not text_path.is_file():
-        raise FileNotFoundError(f"text file {text_path} does not exist")
-    text = text_path.read_text(encoding="utf-8")[: args.n_tokens * 8]  # ample: tokens are >= 1 char
-    cache: dict[str, object] = {}
-
-    def tokens_fn(path: str):
-        vocab = Path(path) / "qkgeom_vocab.json"
-        key = str(vocab) if vocab.is_file() else (args.tokenizer or args.model)
-        if key not in cache:
-            cache[key] = (
-                (Vocab.from_json(vocab.read_text()).encode(text).astype("int64"), ())
-                if vocab.is_file()
-                else text_tokens(path, text, args.tokenizer, special_tokens=not args.strip_special_tokens)
-            )
-        return cache[key]
-
-    revisions = list(args.revision)
-    if args.family == "pythia":
-        revisions += F.pythia_revisions(args.every)
-    if args.all_revisions:
-        root = Path(args.model)
-        revisions += sorted(
-            (d.name for d in root.iterdir() if (d / "config.json").is_file()),
-            key=lambda r: (F.step_of(r) is None, F.step_of(r) or 0, r),
-        )
-    revisions = revisions or [None]
-    slug = args.model.strip("/").replace("/", "__")
+    slug = pc.model.strip("/").replace("/", "__")
     out = Path(args.out) if args.out else Path(args.runs) / "pretrained" / slug
-    F.analyse_family(
-        args.model,
-        revisions,
-        out,
-        tokens_fn,
-        args.n_tokens,
-        args.seq_len,
-        args.batch_size,
-        executor=args.executor,
-        address=args.address,
-        progress=not args.no_progress,
-    )
-    report = write_family_report(out, args.early_max_step)
-    print(f"{len(revisions)} revision(s) of {args.model} -> {out}\nreport: {report}")
+    folders = run_pretrained(pc, out, args.executor, args.address, progress=not args.no_progress)
+    report = write_family_report(out, pc.early_max_step)
+    print(f"{len(folders)} revision(s) of {pc.model} -> {out}\nreport: {report}")
     return 0
 
 
@@ -288,24 +261,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "model", help="hub name (EleutherAI/pythia-70m) or local folder (also one with a folder per revision)"
     )
+    p.add_argument("--config", help="a TOML file with a [pretrained] table (fields of qkgeom.config.PretrainedConfig)")
+    _add_set_arg(p, "override a field, e.g. --set logit_max_seqs=4 (repeatable; the flags below are shortcuts)")
     p.add_argument("--revision", action="append", default=[], help="revision (repeatable), e.g. step1000")
     p.add_argument("--family", choices=["pythia"], help="add a built-in revision schedule")
-    p.add_argument("--every", type=int, default=1, help="with --family: keep every k-th of the linear part")
-    p.add_argument("--all-revisions", action="store_true", help="every revision sub-folder of a local model folder")
+    p.add_argument("--every", type=int, help="with --family: keep every k-th of the linear part (default 1)")
+    p.add_argument(
+        "--all-revisions", action="store_true", default=None, help="every revision sub-folder of a local model folder"
+    )
     p.add_argument("--text", help="text file to sample (default: WikiText-2 validation, raw where available)")
     p.add_argument("--tokenizer", help="tokenizer name or folder (default: the model's own)")
-    p.add_argument("--n-tokens", type=int, default=65_536, help="tokens to stream (default 65536)")
-    p.add_argument(
-        "--seq-len", type=int, default=256, help="sequence length (default 256; capped at the model's context)"
-    )
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    p.add_argument("--n-tokens", type=int, help="tokens to stream (default 65536)")
+    p.add_argument("--seq-len", type=int, help="sequence length (default 256; capped at the model's context)")
+    p.add_argument("--batch-size", type=int, help="sequences per forward pass (default 8)")
     p.add_argument(
         "--strip-special-tokens",
         action="store_true",
+        default=None,
         help="do not open each sequence with the model's own start tokens (BOS/CLS; by default they are "
         "used as in training, and recorded as start_tokens in each revision's config.json)",
     )
-    p.add_argument("--early-max-step", type=int, default=1000, help="last step of the early window (default 1000)")
+    p.add_argument("--early-max-step", type=int, help="last step of the early window (default 1000)")
     _add_output_args(p, "RUNS/pretrained/<model>")
     p.add_argument(
         "--executor",

@@ -19,6 +19,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from qkgeom import config as C
 from qkgeom import stats
 from qkgeom.results import RunDir, provenance, read_json, write_json
 
@@ -49,43 +50,44 @@ def tokens_per_step(model_path: str) -> int | None:
     return PYTHIA_TOKENS_PER_STEP if "pythia" in model_path.lower() else None
 
 
+TokensFn = Callable[[str], tuple[np.ndarray, tuple[int, ...]]]  # model folder -> (text ids, start tokens)
+
+
 def analyse_revision(
-    name: str,
-    revision: str | None,
-    out: Path,
-    tokens_fn: Callable[[str], tuple[np.ndarray, tuple[int, ...]]],
-    n_tokens: int,
-    seq_len: int,
-    batch_size: int,
-    progress: bool = False,
+    pc: C.PretrainedConfig, revision: str | None, out: Path, tokens_fn: TokensFn, progress: bool = False
 ) -> Path:
-    """Analyse one revision into `out/<revision>/` unless already done; returns the folder."""
+    """Analyse one revision of pc.model into `out/<revision>/` unless already done; returns the folder."""
     from qkgeom.pretrained import analyse_model, load_model, resolve_revision, token_batches, weights_digest
 
     rev = revision or "main"
     rd = RunDir(out / rev)
     if rd.is_done():
         return rd.path
-    model = load_model(name, revision)
+    model = load_model(pc.model, revision)
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
-    seq_len = min(seq_len, limit) if limit else seq_len  # e.g. our exported runs have n_ctx < 256
-    path, _ = resolve_revision(name, revision)
+    seq_len = min(pc.seq_len, limit) if limit else pc.seq_len  # e.g. our exported runs have n_ctx < 256
+    path, _ = resolve_revision(pc.model, revision)
     tokens, prefix = tokens_fn(path)
-    batches = token_batches(tokens, seq_len, batch_size, n_tokens, prefix)
-    rows, spectra = analyse_model(model, batches, progress=progress)
+    batches = token_batches(tokens, seq_len, pc.batch_size, pc.n_tokens, prefix)
+    rows, spectra = analyse_model(
+        model, batches, progress, pc.logit_max_seqs or None, getattr(torch, pc.gram_dtype)
+    )  # fmt: skip
     step = step_of(rev)
     tps = tokens_per_step(path)
     info = {
-        "model": name,
+        "model": pc.model,
         "revision": rev,
         "step": step,
         "tokens_seen": step * tps if step is not None and tps else None,
         "weights_sha256": weights_digest(model),
         "model_type": model.config.model_type,
-        "n_tokens": min(n_tokens, len(tokens)) // ((seq_len - len(prefix)) * batch_size) * seq_len * batch_size,
+        "pretrained_config": C.to_dict(pc),  # every setting that changes a number
+        "n_tokens": min(pc.n_tokens, len(tokens))
+        // ((seq_len - len(prefix)) * pc.batch_size)
+        * seq_len
+        * pc.batch_size,
         "seq_len": seq_len,
         "start_tokens": list(prefix),  # the model's own special tokens opening every sequence ([] if stripped)
-        "batch_size": batch_size,
         "provenance": provenance(),
     }
     rd.path.mkdir(parents=True, exist_ok=True)
@@ -99,35 +101,85 @@ def analyse_revision(
 
 
 def analyse_family(
-    name: str,
+    pc: C.PretrainedConfig,
     revisions: list[str | None],
     out: Path,
-    tokens_fn: Callable[[str], tuple[np.ndarray, tuple[int, ...]]],
-    n_tokens: int,
-    seq_len: int,
-    batch_size: int,
+    tokens_fn: TokensFn,
     executor: str = "local",
     address: str | None = None,
     progress: bool = True,
 ) -> list[Path]:
-    """Every revision through `analyse_revision`: one after another (local) or as Ray tasks (ray).
-    Finished revisions are skipped either way (done.json), so an interrupted family resumes."""
+    """Every revision through `analyse_revision` via qkgeom.executor (in this process, or as Ray
+    tasks). Finished revisions are skipped either way (done.json), so an interrupted family resumes."""
     from tqdm.auto import tqdm
 
     from qkgeom.executor import Job, run_jobs
 
     local_progress = progress and len(revisions) == 1 and executor == "local"
-    jobs = [
-        Job(rev or "main", (name, rev, out, tokens_fn, n_tokens, seq_len, batch_size, local_progress))
-        for rev in revisions
-    ]
-    bar = tqdm(total=len(revisions), desc=Path(name).name, unit="rev", disable=not progress or len(revisions) == 1)
+    jobs = [Job(rev or "main", (pc, rev, out, tokens_fn, local_progress)) for rev in revisions]
+    bar = tqdm(total=len(revisions), desc=Path(pc.model).name, unit="rev", disable=not progress or len(revisions) == 1)
     folders = []
     for _, folder in run_jobs(analyse_revision, jobs, executor, workers=1, threads=1, address=address):
         folders.append(folder)
         bar.update(1)
     bar.close()
     return folders
+
+
+def family_revisions(pc: C.PretrainedConfig) -> list[str | None]:
+    """The revisions a config names: its list, its family schedule, every sub-folder of a local
+    folder (ordered by step), or [None] (the default revision)."""
+    revisions: list[str | None] = list(pc.revisions)
+    if pc.family == "pythia":
+        revisions += pythia_revisions(pc.every)
+    if pc.all_revisions:
+        root = Path(pc.model)
+        if not root.is_dir():
+            raise ValueError(f"pretrained.all_revisions needs a local folder, got {pc.model!r}")
+        revisions += sorted(
+            (d.name for d in root.iterdir() if (d / "config.json").is_file()),
+            key=lambda r: (step_of(r) is None, step_of(r) or 0, r),
+        )
+    return revisions or [None]
+
+
+def sample_text(pc: C.PretrainedConfig) -> str:
+    """The text to stream: pc.text, or WikiText-2 validation (raw where the mirror has it)."""
+    from qkgeom.data import resolve_source, wikitext_mirror
+
+    if pc.text:
+        path = Path(pc.text)
+    else:
+        raw = wikitext_mirror() / "wikitext-2-raw" / "valid.txt"
+        path = raw if raw.is_file() else resolve_source("wikitext-2") / "valid.txt"
+    if not path.is_file():
+        raise FileNotFoundError(f"text file {path} does not exist")
+    return path.read_text(encoding="utf-8")[: pc.n_tokens * 8]  # ample: tokens are >= 1 character
+
+
+def run_pretrained(
+    pc: C.PretrainedConfig, out: Path, executor: str = "local", address: str | None = None, progress: bool = True
+) -> list[Path]:
+    """The whole `qkgeom pretrained` job: revisions, text, tokens (the model's own tokenizer, or the
+    vocabulary of an exported qkgeom run), then every revision analysed into out/<revision>/."""
+    from qkgeom.data import Vocab
+    from qkgeom.pretrained import text_tokens
+
+    text = sample_text(pc)
+    cache: dict[str, tuple[np.ndarray, tuple[int, ...]]] = {}
+
+    def tokens_fn(path: str) -> tuple[np.ndarray, tuple[int, ...]]:
+        vocab = Path(path) / "qkgeom_vocab.json"
+        key = str(vocab) if vocab.is_file() else (pc.tokenizer or pc.model)
+        if key not in cache:
+            cache[key] = (
+                (Vocab.from_json(vocab.read_text()).encode(text).astype("int64"), ())
+                if vocab.is_file()
+                else text_tokens(path, text, pc.tokenizer or None, special_tokens=not pc.strip_special_tokens)
+            )
+        return cache[key]
+
+    return analyse_family(pc, family_revisions(pc), Path(out), tokens_fn, executor, address, progress)
 
 
 def load_family(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:

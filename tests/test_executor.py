@@ -47,20 +47,11 @@ def test_ray_family_equals_local(tmp_path, local_ray):
     F.export_run(rd.path, tmp_path / "hf")
     tokens = np.arange(2048) % 50
     revs = ["step_0", "step_3", "step_6"]
-    F.analyse_family(
-        str(tmp_path / "hf"),
-        revs,
-        tmp_path / "ray",
-        lambda _: (tokens, ()),
-        1024,
-        32,
-        4,
-        executor="ray",
-        progress=False,
-    )
-    F.analyse_family(
-        str(tmp_path / "hf"), revs, tmp_path / "local", lambda _: (tokens, ()), 1024, 32, 4, progress=False
-    )
+    from qkgeom import config as C
+
+    pc = C.load_pretrained(overrides=[f'model="{tmp_path / "hf"}"', "n_tokens=1024", "seq_len=32", "batch_size=4"])
+    F.analyse_family(pc, revs, tmp_path / "ray", lambda _: (tokens, ()), executor="ray", progress=False)
+    F.analyse_family(pc, revs, tmp_path / "local", lambda _: (tokens, ()), progress=False)
     (ga, ra), (gb, rb) = F.load_family(tmp_path / "ray"), F.load_family(tmp_path / "local")
     assert list(ra["weights_sha256"]) == list(rb["weights_sha256"])
     key = ["revision", "site", "layer", "head", "metric"]

@@ -1,9 +1,12 @@
 """family: our runs exported to Hugging Face give the native probe's numbers; revisions, hashing, trends."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
 
+from qkgeom import config as C
 from qkgeom import family as F
 from qkgeom import pretrained as P
 from qkgeom.data import fixed_offsets, gather, load_corpus
@@ -80,16 +83,19 @@ def test_family_resume_hashing_and_trends(exported, tmp_path):
     corpus = load_corpus(cfg.data)
     tokens = np.asarray(corpus.splits["valid"][:4096], dtype=np.int64)
     out = tmp_path / "fam"
+    pc = C.load_pretrained(
+        overrides=[f"model={json.dumps(str(hf_root))}", "n_tokens=2048", "seq_len=32", "batch_size=8"]
+    )
     for rev in ("step_0", "step_6", "step_12"):
-        F.analyse_revision(str(hf_root), rev, out, lambda _: tokens, 2048, 32, 8)
+        F.analyse_revision(pc, rev, out, lambda _: (tokens, ()))
     stamp = (out / "step_6" / "done.json").stat().st_mtime_ns
-    F.analyse_revision(str(hf_root), "step_6", out, lambda _: tokens, 2048, 32, 8)  # resume: skipped
+    F.analyse_revision(pc, "step_6", out, lambda _: (tokens, ()))  # resume: skipped
     assert (out / "step_6" / "done.json").stat().st_mtime_ns == stamp
     # a mislabeled copy: same weights under another revision name is flagged
     import shutil
 
     shutil.copytree(hf_root / "step_6", hf_root / "step_7")
-    F.analyse_revision(str(hf_root), "step_7", out, lambda _: tokens, 2048, 32, 8)
+    F.analyse_revision(pc, "step_7", out, lambda _: (tokens, ()))
     geometry, revs = F.load_family(out)
     assert list(revs["revision"]) == ["step_0", "step_6", "step_7", "step_12"]
     assert revs.set_index("revision").loc["step_7", "flag"] == "identical weights to step_6"
