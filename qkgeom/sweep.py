@@ -2,7 +2,7 @@
 
 A sweep file is TOML with three tables::
 
-    [sweep]   name = "study-smoke"; base = "smoke"   (a run preset or TOML file); kind = "main"
+    [sweep]   name = "study-smoke"; base = "smoke"   (a run preset or TOML file)
     [set]     fixed overrides, e.g. "train.steps" = 100
     [grid]    "model.n_layers" = [4, 6, 8]; "train.seed,train.data_seed" = [[0, 0], [1, 1]]  (zipped keys)
 
@@ -29,8 +29,6 @@ from qkgeom import config as C
 from qkgeom.executor import Job, JobLost, run_jobs
 from qkgeom.results import RunDir, folder_lock, write_json
 
-SWEEP_KINDS = ("main", "intervention")
-
 
 class SweepError(ValueError):
     """A sweep file or grid that cannot be expanded."""
@@ -40,7 +38,6 @@ class SweepError(ValueError):
 class SweepSpec:
     name: str
     base: str
-    kind: str = "main"
     fixed: dict[str, Any] = field(default_factory=dict)
     grid: dict[str, list] = field(default_factory=dict)
 
@@ -75,7 +72,9 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
     if unknown or "sweep" not in data:
         raise SweepError(f"sweep file {p} needs a [sweep] table and only [sweep], [set], [grid] (found {unknown})")
     head = data["sweep"]
-    bad = sorted(set(head) - {"name", "base", "kind"})
+    if "kind" in head:  # earlier sweep files: the analysis now reads each run's own config instead
+        raise SweepError(f"[sweep] kind in {p} is no longer used (analyze reads each run's config); delete the line")
+    bad = sorted(set(head) - {"name", "base"})
     if bad:
         raise SweepError(f"unknown key {bad[0]!r} in [sweep] of {p}")
     fixed = dict(data.get("set", {}))
@@ -91,12 +90,9 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
     spec = SweepSpec(
         name=head.get("name", p.stem),
         base=head.get("base", "tiny"),
-        kind=head.get("kind", "main"),
         fixed=fixed,
         grid=dict(data.get("grid", {})),
     )
-    if spec.kind not in SWEEP_KINDS:
-        raise SweepError(f"[sweep] kind must be one of {SWEEP_KINDS}, got {spec.kind!r}")
     return spec
 
 
@@ -158,7 +154,6 @@ def write_manifest(spec: SweepSpec, runs: list[RunSpec], out: Path) -> None:
         {
             "name": spec.name,
             "base": spec.base,
-            "kind": spec.kind,
             "set": spec.fixed,
             "grid": spec.grid,
             "runs": [{"run_id": r.run_id, "overrides": r.overrides, "config": C.to_dict(r.config)} for r in runs],
