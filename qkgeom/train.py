@@ -153,44 +153,81 @@ def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress:
 
 
 def _train(cfg: C.RunConfig, rd: RunDir, resume: bool, progress: bool) -> RunDir:
+    """The loop, top to bottom: at loop index `step`, probe / evaluate / checkpoint if scheduled,
+    stop at the last step, else take one optimiser step."""
     _prepare(cfg, rd, resume)
     if rd.is_done():
         return rd
-    t, m = cfg.train, cfg.model
-    if t.threads:
-        torch.set_num_threads(t.threads)
-    device = t.device
-
-    resumed = resume and rd.last_checkpoint.exists()  # else: start afresh in the same folder
-    try:
-        vocab = Vocab.from_json(rd.vocab.read_text()) if resumed else None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise TrainingError(f"cannot resume: {rd.vocab} is missing or corrupt ({type(e).__name__})") from None
-    corpus = load_corpus(cfg.data, vocab)
-    train_data, valid_data = corpus.splits["train"], corpus.splits["valid"]
-    model = GPT(m, corpus.vocab.size, seed=t.seed).to(device)
-    opt = make_optimizer(model, t)
-    query_weights, key_weights = gpt_weights(model)  # (H, D, E) views: in-place updates keep them valid
-    control = I.SpectrumControl.create(
-        cfg.intervention, query_weights, key_weights, t.steps, baseline_spectra(cfg.intervention, rd)
+    run = _Run(cfg, rd, resumed=resume and rd.last_checkpoint.exists())  # else: afresh in the same folder
+    t = cfg.train
+    bar = tqdm(
+        total=t.steps, initial=run.start, disable=not progress, desc=rd.path.name, unit="step", dynamic_ncols=True
     )
-    n_probe = C.probe_n_seqs(cfg)
-    probe_idx = torch.from_numpy(gather(valid_data, fixed_offsets(len(valid_data), m.n_ctx, n_probe), m.n_ctx)[0]).to(
-        device
-    )
-    schedule = set(probe_steps(t.steps, cfg.probe.every, cfg.probe.log_early))
-    tokens_per_step = t.batch_size * m.n_ctx
-    loss_ceiling = DIVERGED_LOSS_FACTOR * math.log(corpus.vocab.size)
+    step = run.start
+    while True:
+        if step > run.start or not run.resumed:  # records at `start` of a resumed run already exist
+            if step in run.schedule:
+                run.probe(step)
+            if step % t.eval_every == 0 or step == t.steps:
+                run.evaluate(step)
+            run.checkpoint(step)
+        if step == t.steps:
+            break
+        loss = run.train_step(step)
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{run.tokens_per_step * (step - run.start) / run.segment():.0f}")
+    bar.close()
+    run.finish()
+    return rd
 
-    start, elapsed0, geometry, spectra = 0, 0.0, [], {}
-    if resumed:
-        state = rd.load_checkpoint()
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        control.load_state_dict(state["control"])
-        start, elapsed0 = int(state["step"]), float(state["elapsed"])
+
+class _Run:
+    """The state of one training run and its steps: set-up (fresh or restored from last.pt),
+    probe, evaluate, checkpoint, one optimiser step, finish."""
+
+    def __init__(self, cfg: C.RunConfig, rd: RunDir, resumed: bool) -> None:
+        self.cfg, self.rd, self.resumed = cfg, rd, resumed
+        t, m = cfg.train, cfg.model
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        self.device = t.device
         try:
-            geometry = rd.read_geometry().query("step <= @start").to_dict("records")
+            vocab = Vocab.from_json(rd.vocab.read_text()) if resumed else None
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise TrainingError(f"cannot resume: {rd.vocab} is missing or corrupt ({type(e).__name__})") from None
+        corpus = load_corpus(cfg.data, vocab)
+        self.train_data, self.valid_data = corpus.splits["train"], corpus.splits["valid"]
+        self.model = GPT(m, corpus.vocab.size, seed=t.seed).to(self.device)
+        self.opt = make_optimizer(self.model, t)
+        self.w_q, self.w_k = gpt_weights(self.model)  # (H, D, E) views: in-place updates keep them valid
+        self.control = I.SpectrumControl.create(
+            cfg.intervention, self.w_q, self.w_k, t.steps, baseline_spectra(cfg.intervention, rd)
+        )
+        n_probe = C.probe_n_seqs(cfg)
+        offsets = fixed_offsets(len(self.valid_data), m.n_ctx, n_probe)
+        self.probe_idx = torch.from_numpy(gather(self.valid_data, offsets, m.n_ctx)[0]).to(self.device)
+        self.schedule = set(probe_steps(t.steps, cfg.probe.every, cfg.probe.log_early))
+        self.tokens_per_step = t.batch_size * m.n_ctx
+        self.loss_ceiling = DIVERGED_LOSS_FACTOR * math.log(corpus.vocab.size)
+        self.start, self.elapsed0, self.geometry, self.spectra = 0, 0.0, [], {}
+        self.probe_seconds = 0.0  # this process's time in probes (reported in done.json)
+        if resumed:
+            self._restore()
+        else:
+            self._start_fresh(corpus, n_probe)
+        self.t0 = time.perf_counter()
+
+    def _restore(self) -> None:
+        rd = self.rd
+        state = rd.load_checkpoint()
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optimizer"])
+        self.control.load_state_dict(state["control"])
+        self.start, self.elapsed0 = int(state["step"]), float(state["elapsed"])
+        start = self.start
+        try:
+            self.geometry = rd.read_geometry().query("step <= @start").to_dict("records")
             spectra = rd.read_spectra()
         except Exception as e:  # pyarrow, zipfile and numpy raise several types for damaged files
             raise TrainingError(
@@ -199,8 +236,10 @@ def _train(cfg: C.RunConfig, rd: RunDir, resume: bool, progress: bool) -> RunDir
             ) from None
         rd.truncate_metrics(start)
         keep = spectra.get("step", np.array([])) <= start
-        spectra = {k: list(v[keep]) for k, v in spectra.items()}
-    else:
+        self.spectra = {k: list(v[keep]) for k, v in spectra.items()}
+
+    def _start_fresh(self, corpus, n_probe: int) -> None:
+        rd, cfg = self.rd, self.cfg
         rd.path.mkdir(parents=True, exist_ok=True)
         rd.metrics.unlink(missing_ok=True)
         # vocab first: a folder with config.json always has its vocabulary
@@ -211,129 +250,122 @@ def _train(cfg: C.RunConfig, rd: RunDir, resume: bool, progress: bool) -> RunDir
                 "run_id": rd.path.name,
                 "config": C.to_dict(cfg),
                 "provenance": provenance(),
-                "tokens_per_step": tokens_per_step,
+                "tokens_per_step": self.tokens_per_step,
                 "vocab_size": corpus.vocab.size,
                 "data_folder": str(corpus.folder),
-                "probe_steps": sorted(schedule),
+                "probe_steps": sorted(self.schedule),
                 "probe_n_seqs": n_probe,
-                "probe_tokens": n_probe * m.n_ctx,
-                "notes": I.notes(cfg.intervention, m.qk_init),
+                "probe_tokens": n_probe * cfg.model.n_ctx,
+                "notes": I.notes(cfg.intervention, cfg.model.qk_init),
             },
         )
 
-    def check_finite(step: int) -> None:
-        why = divergence(model)
+    def clock(self) -> float:
+        """Training seconds, summed over resumed segments."""
+        return self.elapsed0 + time.perf_counter() - self.t0
+
+    def segment(self) -> float:
+        """Seconds of this process's segment."""
+        return self.clock() - self.elapsed0
+
+    def check_finite(self, step: int) -> None:
+        why = divergence(self.model)
         if why:
             raise TrainingError(
                 f"training diverged by step {step} ({why}); lower train.lr "
-                f"(finished records and checkpoints in {rd.path} are kept)"
+                f"(finished records and checkpoints in {self.rd.path} are kept)"
             )
 
-    probe_seconds = 0.0  # this process's time in probes (reported in done.json)
-
-    def record_probe(step: int) -> None:
-        nonlocal probe_seconds
+    def probe(self, step: int) -> None:
         tic = time.perf_counter()
-        check_finite(step)
-        model.eval()
+        self.check_finite(step)  # divergence is caught before any eigen-solve sees the weights
+        self.model.eval()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NumericalWarning)
-            rows, spec = probe_gpt(model, probe_idx)
+            rows, spec = probe_gpt(self.model, self.probe_idx)
         for w in caught:  # a numerical fallback is recorded, never fatal
-            rd.append_warning({"step": step, "warning": str(w.message)})
-        rows += control.rows(step)
-        model.train()
-        geometry.extend({"step": step, "tokens_seen": step * tokens_per_step, **r} for r in rows)
-        rd.write_geometry(geometry)
+            self.rd.append_warning({"step": step, "warning": str(w.message)})
+        rows += self.control.rows(step)
+        self.model.train()
+        self.geometry.extend({"step": step, "tokens_seen": step * self.tokens_per_step, **r} for r in rows)
+        self.rd.write_geometry(self.geometry)
         for k, v in {"step": np.int64(step), **spec}.items():
-            spectra.setdefault(k, []).append(v)
-        rd.write_spectra({k: np.stack(v) for k, v in spectra.items()})
-        probe_seconds += time.perf_counter() - tic
+            self.spectra.setdefault(k, []).append(v)
+        self.rd.write_spectra({k: np.stack(v) for k, v in self.spectra.items()})
+        self.probe_seconds += time.perf_counter() - tic
 
-    def checkpoint(step: int, elapsed: float) -> None:
-        if step not in t.checkpoint_steps and step % t.checkpoint_every and step != t.steps:
-            return
-        check_finite(step)  # never let a diverged state overwrite the last good checkpoint
-        state = {
-            "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
-            "control": control.state_dict(),
-            "step": step,
-            "elapsed": elapsed,
-        }
-        if step in t.checkpoint_steps:
-            rd.save_checkpoint(state, f"step_{step}.pt")
-        if step % t.checkpoint_every == 0 or step == t.steps:
-            rd.save_checkpoint(state, "last.pt")
-
-    bar = tqdm(total=t.steps, initial=start, disable=not progress, desc=rd.path.name, unit="step", dynamic_ncols=True)
-    t0 = time.perf_counter()
-
-    def clock() -> float:  # training seconds, summed over resumed segments
-        return elapsed0 + time.perf_counter() - t0
-
-    model.train()
-    step = start
-    while True:
-        if step > start or not resumed:  # records at `start` of a resumed run already exist
-            if step in schedule:
-                record_probe(step)
-            if step % t.eval_every == 0 or step == t.steps:
-                check_finite(step)
-                val = evaluate(model, valid_data, t, m.n_ctx, device)
-                rd.append_metrics(
-                    {
-                        "step": step,
-                        "tokens_seen": step * tokens_per_step,
-                        "split": "valid",
-                        "loss": val,
-                        "elapsed": clock(),
-                    }
-                )
-            checkpoint(step, clock())
-        if step == t.steps:
-            break
-        lr = lr_at(step, t)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        x, y = gather(train_data, batch_offsets(len(train_data), m.n_ctx, t.batch_size, t.data_seed, step), m.n_ctx)
-        loss = model.loss(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))
-        loss_value = loss.item()
-        if not math.isfinite(loss_value) or loss_value > loss_ceiling:
-            raise TrainingError(
-                f"loss became {loss_value:.4g} at step {step} (lr={lr:.3g}); training diverged, lower train.lr "
-                f"(finished records and checkpoints in {rd.path} are kept)"
-            )
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
-        opt.step()
-        control.apply(query_weights, key_weights, step + 1)
-        step += 1
-        rd.append_metrics(
+    def evaluate(self, step: int) -> None:
+        self.check_finite(step)
+        val = evaluate(self.model, self.valid_data, self.cfg.train, self.cfg.model.n_ctx, self.device)
+        self.rd.append_metrics(
             {
                 "step": step,
-                "tokens_seen": step * tokens_per_step,
+                "tokens_seen": step * self.tokens_per_step,
+                "split": "valid",
+                "loss": val,
+                "elapsed": self.clock(),
+            }
+        )
+
+    def checkpoint(self, step: int) -> None:
+        t = self.cfg.train
+        if step not in t.checkpoint_steps and step % t.checkpoint_every and step != t.steps:
+            return
+        self.check_finite(step)  # never let a diverged state overwrite the last good checkpoint
+        state = {
+            "model": self.model.state_dict(),
+            "optimizer": self.opt.state_dict(),
+            "control": self.control.state_dict(),
+            "step": step,
+            "elapsed": self.clock(),
+        }
+        if step in t.checkpoint_steps:
+            self.rd.save_checkpoint(state, f"step_{step}.pt")
+        if step % t.checkpoint_every == 0 or step == t.steps:
+            self.rd.save_checkpoint(state, "last.pt")
+
+    def train_step(self, step: int) -> float:
+        """The update at loop index `step` (data and lr are pure functions of it); its loss."""
+        t, m = self.cfg.train, self.cfg.model
+        lr = lr_at(step, t)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        x, y = gather(
+            self.train_data, batch_offsets(len(self.train_data), m.n_ctx, t.batch_size, t.data_seed, step), m.n_ctx
+        )
+        loss = self.model.loss(torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device))
+        loss_value = loss.item()
+        if not math.isfinite(loss_value) or loss_value > self.loss_ceiling:
+            raise TrainingError(
+                f"loss became {loss_value:.4g} at step {step} (lr={lr:.3g}); training diverged, lower train.lr "
+                f"(finished records and checkpoints in {self.rd.path} are kept)"
+            )
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip or float("inf"))
+        self.opt.step()
+        self.control.apply(self.w_q, self.w_k, step + 1)
+        self.rd.append_metrics(
+            {
+                "step": step + 1,
+                "tokens_seen": (step + 1) * self.tokens_per_step,
                 "split": "train",
                 "loss": loss_value,
                 "lr": lr,
                 "grad_norm": float(grad_norm),
-                "elapsed": clock(),
+                "elapsed": self.clock(),
             }
         )
-        bar.update(1)
-        bar.set_postfix(
-            loss=f"{loss_value:.3f}", tok_s=f"{tokens_per_step * (step - start) / (clock() - elapsed0):.0f}"
+        return loss_value
+
+    def finish(self) -> None:
+        write_json(
+            self.rd.done,
+            {
+                "step": self.cfg.train.steps,
+                "elapsed": self.clock(),
+                "final_valid_loss": self.rd.read_metrics()[-1]["loss"],
+                "probe_seconds_last_segment": self.probe_seconds,
+                "segment_seconds": self.segment(),
+            },
         )
-    bar.close()
-    write_json(
-        rd.done,
-        {
-            "step": t.steps,
-            "elapsed": clock(),
-            "final_valid_loss": rd.read_metrics()[-1]["loss"],
-            "probe_seconds_last_segment": probe_seconds,
-            "segment_seconds": clock() - elapsed0,
-        },
-    )
-    return rd
