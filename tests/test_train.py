@@ -106,7 +106,9 @@ def test_corrupt_checkpoint_gives_one_line_error(tmp_path):
     r = cli("train", "tiny", "--no-progress", "--set", "train.steps=10", "--out", str(out), "--resume")
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "corrupt or truncated" in r.stderr and "last.pt" in r.stderr
-    assert before == {p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"}  # nothing lost
+    assert before == {
+        p.name: p.read_bytes() for p in out.iterdir() if p.is_file() and p.name != ".lock"
+    }  # nothing lost
 
 
 @pytest.mark.parametrize(
