@@ -45,11 +45,9 @@ def run_folders(path: str | Path) -> list[Path]:
     p = Path(path)
     if not p.is_dir():
         raise AnalysisError(f"{p} is not a folder")
-    if (p / "config.json").is_file():
+    if RunDir(p).config.is_file():
         return [p]
-    return sorted(
-        d for d in p.iterdir() if d.is_dir() and ((d / "config.json").exists() or (d / "error.json").exists())
-    )
+    return sorted(d for d in p.iterdir() if d.is_dir() and RunDir(d).is_run())
 
 
 def _run_info(rd: RunDir) -> dict:
@@ -81,12 +79,7 @@ def _load(path: str | Path, reader) -> pd.DataFrame:
     for d in run_folders(path):
         rd = RunDir(d)
         if not rd.is_done():
-            why = "unfinished"
-            if (d / "error.json").exists():
-                try:
-                    why = "failed: " + str(read_json(d / "error.json")["error"])
-                except (OSError, ValueError, KeyError, TypeError):
-                    why = "failed; its error.json is unreadable"
+            why = "failed: " + rd.read_error() if rd.error.exists() else "unfinished"
             warnings.warn(f"skipping run {d.name} ({why})", RunWarning, stacklevel=3)
             continue
         try:

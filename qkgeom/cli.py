@@ -49,6 +49,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def _sweep(args: argparse.Namespace):
+    from qkgeom.results import RunDir
     from qkgeom.sweep import expand, load_sweep, run_sweep
 
     spec = load_sweep(args.sweep, args.overrides)
@@ -57,7 +58,7 @@ def _sweep(args: argparse.Namespace):
         runs = expand(spec)
         print(f"{len(runs)} runs -> {out}")
         for r in runs:
-            state = "done" if (out / r.run_id / "done.json").exists() else "todo"
+            state = "done" if RunDir(out / r.run_id).is_done() else "todo"
             print(f"  [{state}] {r.run_id}  " + " ".join(f"{k}={v}" for k, v in r.overrides.items()))
         return spec, out, None
     res = run_sweep(

@@ -8,6 +8,8 @@
     <run>/checkpoints/       last.pt (resume) and step_<n>.pt (kept); torch weights-only format
     <run>/warnings.jsonl     non-fatal numerical fallbacks of the probe (only if any happened)
     <run>/done.json          written last; its presence means the run is complete
+    <run>/error.json         only for a run that failed in a sweep
+    <sweep>/sweep.json       the expanded grid of a sweep, written before anything runs
 
 Every write is atomic (temp file + rename), so a killed run never leaves a half-written file.
 """
@@ -44,6 +46,7 @@ class FolderLockedError(RuntimeError):
 
 
 LOCK_FILE = ".lock"
+SWEEP_MANIFEST = "sweep.json"
 
 
 @contextlib.contextmanager
@@ -128,11 +131,27 @@ class RunDir:
     spectra = property(lambda self: self.path / "spectra.npz")
     checkpoints = property(lambda self: self.path / "checkpoints")
     done = property(lambda self: self.path / "done.json")
+    error = property(lambda self: self.path / "error.json")
     warnings = property(lambda self: self.path / "warnings.jsonl")
     last_checkpoint = property(lambda self: self.checkpoints / "last.pt")
 
     def is_done(self) -> bool:
         return self.done.is_file()
+
+    def is_run(self) -> bool:
+        """A run folder: it has a config.json, or an error.json from a failed sweep run."""
+        return self.config.exists() or self.error.exists()
+
+    def write_error(self, message: str, traceback: str = "") -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        write_json(self.error, {"error": message, "traceback": traceback})
+
+    def read_error(self) -> str:
+        """The recorded failure, or a note that error.json itself is unreadable."""
+        try:
+            return str(read_json(self.error)["error"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return "its error.json is unreadable"
 
     # metrics.jsonl -------------------------------------------------------------------------
     def append_metrics(self, row: dict[str, Any]) -> None:

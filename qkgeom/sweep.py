@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from qkgeom import config as C
 from qkgeom.executor import Job, JobLost, run_jobs
-from qkgeom.results import RunDir, folder_lock, write_json
+from qkgeom.results import SWEEP_MANIFEST, RunDir, folder_lock, write_json
 
 
 class SweepError(ValueError):
@@ -150,7 +150,7 @@ def _with_baseline(spec: SweepSpec, r: RunSpec, runs: list[RunSpec]) -> RunSpec:
 
 def write_manifest(spec: SweepSpec, runs: list[RunSpec], out: Path) -> None:
     write_json(
-        out / "sweep.json",
+        out / SWEEP_MANIFEST,
         {
             "name": spec.name,
             "base": spec.base,
@@ -191,13 +191,12 @@ def run_one(cfg_dict: dict[str, Any], run_dir: str, threads: int = 0) -> dict[st
     rd = RunDir(run_dir)
     tic = time.perf_counter()
     try:
-        rd.path.joinpath("error.json").unlink(missing_ok=True)
+        rd.error.unlink(missing_ok=True)
         train(C.from_dict(cfg_dict), rd.path, resume=rd.config.exists(), progress=False)
         return {"run_id": rd.path.name, "status": "done", "seconds": time.perf_counter() - tic}
     except Exception as e:  # isolate the failure: record it, let the other runs go on
         msg = f"{type(e).__name__}: {e}"
-        rd.path.mkdir(parents=True, exist_ok=True)
-        write_json(rd.path / "error.json", {"error": msg, "traceback": traceback.format_exc()})
+        rd.write_error(msg, traceback.format_exc())
         return {"run_id": rd.path.name, "status": "failed", "error": msg, "seconds": time.perf_counter() - tic}
 
 
@@ -302,8 +301,7 @@ def execute(
     statuses = []
     for run_id, status in run_jobs(run_one, jobs, executor, workers, threads, address, gpus_per_run):
         if isinstance(status, JobLost):
-            (out / run_id).mkdir(parents=True, exist_ok=True)
-            write_json(out / run_id / "error.json", {"error": str(status), "traceback": ""})
+            RunDir(out / run_id).write_error(str(status))
             status = {"run_id": run_id, "status": "failed", "error": str(status), "seconds": 0.0}
         statuses.append(status)
         if bar is not None:
