@@ -128,7 +128,7 @@ def peer_round(cfg: C.RunConfig, nanogpt, vocab: int, data: np.ndarray, steps: i
     return time.perf_counter() - tic
 
 
-def scaled_config(depth: int, steps: int) -> C.RunConfig:
+def scaled_config(depth: int, steps: int, compile: bool = False) -> C.RunConfig:
     """The cpu preset at `depth`, shortened to `steps` with probes, evals and checkpoints as dense as in
     the full-length preset."""
     full = C.load("cpu", [f"model.n_layers={depth}"])
@@ -142,6 +142,7 @@ def scaled_config(depth: int, steps: int) -> C.RunConfig:
             f"probe.every={max(1, round(full.probe.every * f))}",
             f"train.eval_every={max(1, round(full.train.eval_every * f))}",
             f"train.checkpoint_every={max(1, round(full.train.checkpoint_every * f))}",
+            f"train.compile={'true' if compile else 'false'}",
         ],
     )
 
@@ -153,6 +154,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds per configuration (default 4)")
     ap.add_argument("--depths", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--compile", action="store_true", help="qkgeom side with train.compile = true (torch.compile)")
     args = ap.parse_args()
     require_wikitext()
     nanogpt = load_nanogpt(args.nanogpt)
@@ -161,7 +163,7 @@ def main() -> None:
     for threads in args.threads:
         torch.set_num_threads(threads)
         for depth in args.depths:
-            cfg = scaled_config(depth, args.steps)
+            cfg = scaled_config(depth, args.steps, args.compile)
             corpus = load_corpus(cfg.data)
             data, tokens = corpus.splits["train"], args.steps * cfg.train.batch_size * cfg.model.n_ctx
             peer_round(cfg, nanogpt, corpus.vocab.size, data, 3, 0)  # warm-up

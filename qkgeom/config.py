@@ -102,6 +102,11 @@ class TrainConfig:
     """Steps whose weights are kept permanently under checkpoints/."""
     device: str = "cpu"
     """Torch device (`cpu`, `cuda`)."""
+    precision: str = "auto"
+    """Training matmuls: `float32`, `bf16` (autocast), or `auto` = bf16 on cuda, float32 elsewhere.
+    Probes and geometry always run in float32 / float64. On cuda, TF32 and a fused AdamW are used."""
+    compile: bool = False
+    """torch.compile the training forward (probes use the eager model); use it where bench/ shows a gain."""
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default."""
 
@@ -368,6 +373,10 @@ def validate(cfg: RunConfig) -> None:
     need(0 <= t.warmup_steps <= t.steps, f"train.warmup_steps must be in [0, steps], got {t.warmup_steps}")
     need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
     need(t.grad_clip >= 0, f"train.grad_clip must be >= 0, got {t.grad_clip}")
+    need(
+        t.precision in ("auto", "float32", "bf16"),
+        f"train.precision must be auto, float32 or bf16, got {t.precision!r}",
+    )
     for k in ("eval_every", "eval_batches", "checkpoint_every"):
         need(getattr(t, k) > 0, f"train.{k} must be positive, got {getattr(t, k)}")
     need(all(0 <= s <= t.steps for s in t.checkpoint_steps), f"train.checkpoint_steps must lie in [0, {t.steps}]")
@@ -391,6 +400,11 @@ def validate(cfg: RunConfig) -> None:
     bad_heads = [x for x in iv.heads if not 0 <= x < m.n_heads]
     need(not bad_heads, f"intervention.heads {bad_heads} do not exist (model has {m.n_heads} heads)")
     need(0 < iv.reach_fraction <= 1, f"intervention.reach_fraction must be in (0, 1], got {iv.reach_fraction}")
+
+
+def uses_bf16(t: TrainConfig) -> bool:
+    """Whether training runs under bf16 autocast (precision bf16, or auto on a cuda device)."""
+    return t.precision == "bf16" or (t.precision == "auto" and t.device.startswith("cuda"))
 
 
 def probe_n_seqs(cfg: RunConfig) -> int:

@@ -65,7 +65,8 @@ def make_optimizer(model: torch.nn.Module, t: C.TrainConfig) -> torch.optim.Adam
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2))
+    fused = t.device.startswith("cuda")  # one kernel for the whole update on GPU; CPU keeps the reference path
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), fused=fused or None)
 
 
 @torch.no_grad()
@@ -199,6 +200,12 @@ class _Run:
         corpus = load_corpus(cfg.data, vocab)
         self.train_data, self.valid_data = corpus.splits["train"], corpus.splits["valid"]
         self.model = GPT(m, corpus.vocab.size, seed=t.seed).to(self.device)
+        if self.device.startswith("cuda"):
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        self.bf16 = C.uses_bf16(t)
+        # the training forward (optionally compiled); probes run the eager model's explicit path
+        self.forward_loss = torch.compile(self.model.loss) if t.compile else self.model.loss
         self.opt = make_optimizer(self.model, t)
         self.w_q, self.w_k = gpt_weights(self.model)  # (H, D, E) views: in-place updates keep them valid
         self.control = I.SpectrumControl.create(
@@ -333,7 +340,9 @@ class _Run:
         x, y = gather(
             self.train_data, batch_offsets(len(self.train_data), m.n_ctx, t.batch_size, t.data_seed, step), m.n_ctx
         )
-        loss = self.model.loss(torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device))
+        device_type = self.device.split(":")[0]
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.bf16):
+            loss = self.forward_loss(torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device))
         loss_value = loss.item()
         if not math.isfinite(loss_value) or loss_value > self.loss_ceiling:
             raise TrainingError(

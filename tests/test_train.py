@@ -203,3 +203,16 @@ def test_losses_equal_a_plain_loop_with_the_same_seeds(tmp_path):
         opt.step()
         plain.append(loss.item())
     assert np.allclose(ours, plain, rtol=1e-6, atol=0)
+
+
+def test_bf16_autocast_training_path_on_cpu(tmp_path):
+    # the GPU preset's code path (bf16 autocast for training; float32/float64 probes), run on CPU
+    f32 = train(tiny_config(train={"steps": 12}), tmp_path / "f32", progress=False)
+    bf16 = train(tiny_config(train={"steps": 12, "precision": "bf16"}), tmp_path / "bf16", progress=False)
+    a = np.array([r["loss"] for r in f32.read_metrics() if r["split"] == "train"])
+    b = np.array([r["loss"] for r in bf16.read_metrics() if r["split"] == "train"])
+    assert not np.array_equal(a, b)  # autocast really ran in bf16 ...
+    assert np.allclose(a, b, rtol=0.03)  # ... and trains the same model to bf16 accuracy
+    g = bf16.read_geometry()
+    assert g["value"].notna().all() and (g.query("metric == 'key_participation_ratio'")["value"] >= 1).all()
+    assert json.loads(bf16.config.read_text())["config"]["train"]["precision"] == "bf16"
