@@ -261,7 +261,8 @@ def sensitivity(claims: pd.DataFrame, what: str = "Window sensitivity") -> Figur
         x = np.arange(len(c))
         v, lo, hi = (c[k].astype(float).to_numpy() for k in ("value", "ci_low", "ci_high"))
         colors = [{"holds": "tab:green", "fails": "tab:red"}.get(x, "tab:gray") for x in c["verdict"]]
-        ax.errorbar(x, v, yerr=[v - lo, hi - v], fmt="none", ecolor="0.5", capsize=3)
+        err = np.nan_to_num(np.clip([v - lo, hi - v], 0, None))  # no bar where there is no interval
+        ax.errorbar(x, v, yerr=err, fmt="none", ecolor="0.5", capsize=3)
         ax.scatter(x, v, c=colors, zorder=3)
         ax.axhline(0, color="k", lw=0.6)
         ax.set_title(name, fontsize=8, loc="left")

@@ -71,7 +71,7 @@ def test_main_claims_known_values():
     c = A.claims_main(df)
     contrast = claim(c, A.CONTRAST_CLAIM)
     assert contrast["value"] == 1.0 and contrast["verdict"] == "holds"
-    assert "4/4 trajectories" in contrast["detail"]  # 2 inits x 2 layers
+    assert "positive at every probe: 4/4" in contrast["detail"]  # 2 inits x 2 layers
     q = claim(c, "PR_Q grows: slope of PR_Q vs training progress")
     assert q["value"] == pytest.approx(2.0) and q["ci_low"] == pytest.approx(2.0) and q["n"] == 3
     assert q["seeds_agreeing"] == "3/3" and q["verdict"] == "holds" and q["interval"] == "95% t over seeds"
@@ -109,9 +109,9 @@ def test_contrast_fraction_counts_trajectories():
 
     c = A.claims_main(synthetic(fn=fn, inits=("tied",)))
     row = claim(c, A.CONTRAST_CLAIM)
-    assert row["value"] == 0.5 and row["verdict"] == "inconclusive" and "1/2 trajectories" in row["detail"]
+    assert row["value"] == 0.5 and row["verdict"] == "inconclusive" and "every probe: 1/2" in row["detail"]
     # window-mean contrast of layer 1 is 1 - 2 * mean(p) = 0 -> not > 0 in any seed
-    assert row["seeds_agreeing"] == "1/2 trajectories in all seeds"
+    assert row["seeds_agreeing"].startswith("1/2 trajectories")
 
 
 def test_trajectories_average_over_seeds():
