@@ -31,10 +31,13 @@ def _band(ax, per_run: pd.DataFrame, color: str, label: str) -> None:
     ax.fill_between(per_run.index, per_run.min(1), per_run.max(1), color=color, alpha=0.25, lw=0)
 
 
-def pr_trajectories(df: pd.DataFrame) -> Figure:
-    """Layer-mean PR_Q and PR_K against step, per depth x init, with min-max bands over seeds."""
+def pr_trajectories(df: pd.DataFrame, post_transient: bool = False) -> Figure:
+    """Layer-mean PR_Q and PR_K against step, per depth x init, with min-max bands over seeds:
+    the whole run on a symlog axis, or (post_transient) the window the claims live in, linear."""
     fig, axes, depths, inits = _grid(df)
     rows = df[df["head"] == -1]
+    if post_transient:
+        rows = rows[rows["step"] >= rows["transient_end"]]
     for i, d in enumerate(depths):
         for j, init in enumerate(inits):
             ax = axes[i, j]
@@ -43,16 +46,18 @@ def pr_trajectories(df: pd.DataFrame) -> Figure:
                 m = sub[sub["metric"] == f"{side}_participation_ratio"]
                 per_run = m.groupby(["step", "run_id"])["value"].mean().unstack("run_id")
                 _band(ax, per_run, COLORS[side], f"PR_{side[0].upper()}")
-            if "transient_end" in sub and len(sub):
+            if "transient_end" in sub and len(sub) and not post_transient:
                 ax.axvline(sub["transient_end"].median(), color="k", ls=":", lw=1, label="transient end (median)")
-            ax.set_xscale("symlog", linthresh=1)
+            if not post_transient:
+                ax.set_xscale("symlog", linthresh=1)
             ax.set_title(f"depth {d}, {init}", fontsize=9)
             if j == 0:
                 ax.set_ylabel("participation ratio (layer mean)")
             if i == len(depths) - 1:
                 ax.set_xlabel("step")
     axes[0, 0].legend(fontsize=8)
-    fig.suptitle("PR_Q and PR_K over training (band: min-max over seeds)")
+    window = "after each run's transient" if post_transient else "over training"
+    fig.suptitle(f"PR_Q and PR_K {window} (band: min-max over seeds)")
     fig.tight_layout()
     return fig
 

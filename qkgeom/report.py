@@ -169,6 +169,10 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
     base = g[g["intervention"] == "none"]
     if len(base):
         figs["pr_trajectories"] = ("PR_Q and PR_K (layer mean) per depth and init.", plots.pr_trajectories(base))
+        figs["pr_post_transient"] = (
+            "PR_Q and PR_K after each run's detected transient end (linear steps): where the claims are judged.",
+            plots.pr_trajectories(base, post_transient=True),
+        )
         figs["contrast_heatmap"] = ("PR_Q - PR_K per layer over training (seed mean).", plots.contrast_heatmap(base))
         figs["entropy_vs_prk"] = ("Attention entropy against PR_K.", plots.entropy_vs_prk(base))
         if a.horizon is not None and len(a.horizon):
