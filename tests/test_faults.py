@@ -173,14 +173,20 @@ def clean_sweep(tmp_path_factory) -> tuple[Path, Path]:
     return sweep, tmp / "clean"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
-def test_killed_sweep_leaves_no_workers_and_reruns_to_the_same_result(clean_sweep, tmp_path, sig):
-    sweep, clean = clean_sweep
-    out = tmp_path / "killed"
+def start_sweep_and_wait_for_a_checkpoint(sweep: Path, out: Path) -> subprocess.Popen:
+    """A 2-worker sweep, returned once some run has written its first checkpoint (workers are busy)."""
     proc = start("sweep", str(sweep), "--out", str(out), "--workers", "2", "--no-progress")
     deadline = time.time() + 120
     while time.time() < deadline and not list(out.glob("*/checkpoints/last.pt")):
         time.sleep(0.01)
+    return proc
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_killed_sweep_leaves_no_workers_and_reruns_to_the_same_result(clean_sweep, tmp_path, sig):
+    sweep, clean = clean_sweep
+    out = tmp_path / "killed"
+    proc = start_sweep_and_wait_for_a_checkpoint(sweep, out)
     workers = _children(proc.pid)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
@@ -201,10 +207,7 @@ def test_a_worker_killed_like_the_oom_killer_is_retried(tmp_path):
     sweep = tmp_path / "f.toml"
     sweep.write_text(SWEEP)
     out = tmp_path / "s"
-    proc = start("sweep", str(sweep), "--out", str(out), "--workers", "2", "--no-progress")
-    deadline = time.time() + 120
-    while time.time() < deadline and not list(out.glob("*/checkpoints/last.pt")):
-        time.sleep(0.01)
+    proc = start_sweep_and_wait_for_a_checkpoint(sweep, out)
     victims = _children(proc.pid)
     assert victims
     os.kill(max(victims), signal.SIGKILL)
