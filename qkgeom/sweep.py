@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import threading
 import time
 import tomllib
 import traceback
@@ -201,29 +202,60 @@ def run_one(cfg_dict: dict[str, Any], run_dir: str, threads: int = 0) -> dict[st
 
 
 class CostBar:
-    """A tqdm bar over runs whose ETA weighs each finished run by its cost (run_cost), so a grid of
-    unequal runs (depth 4 to 8) gets an honest remaining time. ``update(1)`` marks the next run done."""
+    """A tqdm bar over a sweep's work (steps x layers x tokens per step, summed over runs) whose ETA
+    comes from measured progress: finished runs count whole, and a background thread reads the last
+    step of every running run's metrics.jsonl every few seconds, so the remaining time is estimated
+    from the step times actually measured, and a grid of unequal runs (depth 4 to 8) is weighed
+    honestly. ``update(1, run_id)`` marks a run finished."""
 
-    def __init__(self, runs: list[RunSpec], skipped: list[str], name: str, progress: bool) -> None:
+    def __init__(self, runs: list[RunSpec], skipped: list[str], name: str, progress: bool, out: Path) -> None:
         self.cost = {r.run_id: run_cost(r.config) for r in runs}
-        self.total, self.n_runs = sum(self.cost.values()), len(runs)
-        self.done = len(skipped)
+        self.steps = {r.run_id: r.config.train.steps for r in runs}
+        self.total, self.n_runs, self.out = sum(self.cost.values()), len(runs), Path(out)
+        self.finished = set(skipped)
         self.bar = tqdm(
-            total=round(self.total / 1e6, 1),
-            initial=round(sum(self.cost[r] for r in skipped) / 1e6, 1),
+            total=self.total / 1e6,
+            initial=sum(self.cost[r] for r in skipped) / 1e6,  # excluded from the rate
             disable=not progress,
             desc=name,
             unit="M tok-layers",
-            bar_format="{desc}: {percentage:3.0f}%|{bar}|{postfix} [{elapsed}<{remaining}, ETA by run cost]",
+            bar_format="{desc}: {percentage:3.0f}%|{bar}|{postfix} [{elapsed}<{remaining}, from measured steps]",
         )
-        self.bar.set_postfix_str(f"{self.done}/{self.n_runs} runs")
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.refresh()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        if progress:
+            self._thread.start()
+
+    def _partial(self, run_id: str) -> float:
+        """Fraction of a running run's steps done, from the tail of its metrics.jsonl (0 if none yet)."""
+        path = RunDir(self.out / run_id).metrics
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, path.stat().st_size - 400))
+                last = f.read().decode(errors="replace").strip().splitlines()[-1]
+            return min(1.0, json.loads(last)["step"] / self.steps[run_id])
+        except (OSError, ValueError, KeyError, IndexError):
+            return 0.0
+
+    def refresh(self) -> None:
+        with self._lock:
+            work = sum(self.cost[r] * (1.0 if r in self.finished else self._partial(r)) for r in self.cost)
+            self.bar.n = work / 1e6
+            self.bar.set_postfix_str(f"{len(self.finished)}/{self.n_runs} runs")  # also redraws
+
+    def _poll(self) -> None:
+        while not self._stop.wait(5.0):
+            self.refresh()
 
     def update(self, _n: int = 1, run_id: str | None = None) -> None:
-        self.done += 1
-        self.bar.update(round(self.cost.get(run_id, self.total / self.n_runs) / 1e6, 1))
-        self.bar.set_postfix_str(f"{self.done}/{self.n_runs} runs")
+        self.finished.add(run_id)
+        self.refresh()
 
     def close(self) -> None:
+        self._stop.set()
+        self.refresh()
         self.bar.close()
 
 
@@ -268,7 +300,7 @@ def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_r
     workers = workers or default_workers(len(todo))
     threads = max(1, (os.cpu_count() or 1) // workers)
     tic = time.perf_counter()
-    bar = CostBar(runs, result.skipped, spec.name, progress)
+    bar = CostBar(runs, result.skipped, spec.name, progress, out)
     # baselines first: a contract/expand run reads its `none` run's finished spectra
     first = [r for r in todo if not r.config.intervention.baseline]
     then = [r for r in todo if r.config.intervention.baseline]
