@@ -19,7 +19,9 @@ probe share of qkgeom's training time. Targets (issue 13): ratio >= 1.10 at dept
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
@@ -111,7 +113,8 @@ def peer_round(cfg: C.RunConfig, nanogpt, vocab: int, data: np.ndarray, steps: i
         model = GPT(conf)
     else:
         model = PlainGPT(vocab, m.d_model, m.n_heads, m.n_layers, m.n_ctx)
-    opt = model.configure_optimizers(t.weight_decay, t.lr, (t.beta1, t.beta2), "cpu")
+    with contextlib.redirect_stdout(io.StringIO()):  # nanoGPT prints its parameter counts here
+        opt = model.configure_optimizers(t.weight_decay, t.lr, (t.beta1, t.beta2), "cpu")
     model.train()
     tic = time.perf_counter()
     for step in range(steps):
