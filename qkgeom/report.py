@@ -61,6 +61,7 @@ def analyze(path: str | Path) -> Analysis:
         sens = A.sensitivity(base)
         tables = {"sensitivity": sens, "seed_agreement": A.seed_agreement(base), "horizon": A.horizon(base)}
     claims = pd.concat(parts, ignore_index=True)
+    tables["verdicts"] = verdicts(claims)
     for name, df in {"summary": traj, "claims": claims, **tables}.items():
         buf = io.BytesIO()
         df.to_parquet(buf, index=False)
