@@ -309,6 +309,8 @@ def claims_main(df: pd.DataFrame, windows: tuple[str, ...] = WINDOWS, groups: bo
     rows = []
     for win in windows:
         w = window(df, win)
+        if w.empty:  # e.g. a horizon that ends before some run's transient does
+            continue
         note = window_note(w, win)
         for group, g in _groups(w) if groups else [("all", w)]:
             per_run = per_run_statistics(g)
@@ -342,7 +344,7 @@ def horizon(df: pd.DataFrame) -> pd.DataFrame:
         c = claims_main(cut, ("post-transient",), groups=False)
         c["window"] = f"to step {int(df['steps'].max() * f)}"
         out.append(c)
-    return pd.concat(out, ignore_index=True)
+    return pd.concat(out, ignore_index=True) if out else pd.DataFrame(columns=CLAIM_COLUMNS)
 
 
 def seed_agreement(df: pd.DataFrame) -> pd.DataFrame:
