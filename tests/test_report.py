@@ -100,7 +100,7 @@ def test_report_renders_in_headless_chromium(study):
         assert all(complete and width > 100 for _, complete, width in images), images
         body = driver.find_element("tag name", "body").text
         # the report opens with the verdicts; the full table is folded away
-        assert body.index("Verdicts") < body.index("Figures") < body.index("Full claims table")
+        assert body.index("\nVerdicts\n") < body.index("\nFigures\n") < body.index("Full claims table")
         assert "window_sensitivity" in pngs
     finally:
         driver.quit()
