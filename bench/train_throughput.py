@@ -121,7 +121,7 @@ def peer_round(cfg: C.RunConfig, nanogpt, vocab: int, data: np.ndarray, steps: i
         for g in opt.param_groups:
             g["lr"] = lr_at(step, t)
         x, y = gather(data, batch_offsets(len(data), m.n_ctx, t.batch_size, t.data_seed, step), m.n_ctx)
-        _, loss = model(torch.from_numpy(x), torch.from_numpy(y))
+        _, loss = model(torch.from_numpy(x).contiguous(), torch.from_numpy(y).contiguous())  # nanoGPT .view()s them
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
