@@ -1,7 +1,7 @@
 """Training throughput of `qkgeom train` against nanoGPT's own model.py, in one process, alternating rounds.
 
-qkgeom runs its whole job (probes, evaluations and checkpoints at the cpu preset's density:
-`probe.every`, `eval_every`, `checkpoint_every` scaled to the round's length). The peer is
+qkgeom runs its whole job (probes, evaluations, checkpoints and metrics at the cpu preset's own
+intervals, so as dense per step as in a full run; log-spaced early probes off). The peer is
 nanoGPT's unmodified `model.py` (karpathy/nanoGPT) in its own training-loop essentials: the same
 WikiText-2 characters, batch sampler, shape (cpu preset), AdamW from its `configure_optimizers`,
 gradient clipping, `loss.item()` every step. nanoGPT is not vendored: point at its model.py with
