@@ -161,18 +161,11 @@ class GeometryAccumulator:
             head_eigs = {}
             for side, acc, n_heads in (("query", st.q_all, st.n_q_heads), ("key", st.k_all, st.n_k_heads)):
                 head_eigs[side] = acc.block_eigenvalues(n_heads)
-                for head, eigs in ((-1, acc.eigenvalues()), (None, head_eigs[side])):
-                    summary = G.spectrum_summary(eigs)
-                    if acc.n >= 3:
-                        summary["participation_ratio_bias_corrected"] = G.participation_ratio_bias_corrected(
-                            eigs, acc.n
-                        )
-                    for name, vals in summary.items():
-                        if head == -1:
-                            add(li, -1, f"{side}_{name}", vals)
-                        else:
-                            for h, v in enumerate(vals.tolist()):
-                                add(li, h, f"{side}_{name}", v)
+                for name, v in _summary(acc.eigenvalues(), acc.n).items():
+                    add(li, -1, f"{side}_{name}", v)
+                for name, vals in _summary(head_eigs[side], acc.n).items():
+                    for h, v in enumerate(vals.tolist()):
+                        add(li, h, f"{side}_{name}", v)
             pr_q = G.participation_ratio(head_eigs["query"])
             pr_k = G.participation_ratio(head_eigs["key"])
             group = len(pr_q) // len(pr_k)
@@ -211,6 +204,14 @@ class GeometryAccumulator:
             "query_head_eigenvalues": np.stack([s.q_all.block_eigenvalues(s.n_q_heads).numpy() for s in self.layers]),
             "key_head_eigenvalues": np.stack([s.k_all.block_eigenvalues(s.n_k_heads).numpy() for s in self.layers]),
         }
+
+
+def _summary(eigs: Tensor, n: int) -> dict[str, Tensor]:
+    """The dispersion measures of covariance spectra from n samples, plus the bias-corrected PR."""
+    out = G.spectrum_summary(eigs)
+    if n >= 3:
+        out["participation_ratio_bias_corrected"] = G.participation_ratio_bias_corrected(eigs, n)
+    return out
 
 
 def _hist_median(hist: Tensor) -> list[float]:
