@@ -121,6 +121,10 @@ class ProbeConfig:
     """Sequences in the fixed probe batch (validation split); 0 = enough for min_tokens_per_dim."""
     min_tokens_per_dim: float = 10.0
     """With n_seqs = 0: probe tokens >= this x d_model (PR is biased low on small samples)."""
+    logit_max_seqs: int = 4
+    """Probe sequences whose logit (Q K^T) spectrum is taken, the first ones of the fixed batch
+    (0 = all). Its T x T eigen-solves are a probe's costliest part; the logit PR and spectral norm are
+    per-sequence averages, so a cap widens their sampling noise but adds no bias."""
 
 
 @dataclass(frozen=True)
@@ -383,6 +387,7 @@ def validate(cfg: RunConfig) -> None:
     need(p.every > 0, f"probe.every must be positive, got {p.every}")
     need(p.n_seqs >= 0, f"probe.n_seqs must be >= 0 (0 = automatic), got {p.n_seqs}")
     need(p.min_tokens_per_dim > 0, f"probe.min_tokens_per_dim must be positive, got {p.min_tokens_per_dim}")
+    need(p.logit_max_seqs >= 0, f"probe.logit_max_seqs must be >= 0 (0 = all), got {p.logit_max_seqs}")
     if iv.kind == "shrink":
         raise ConfigError(f"intervention.kind 'shrink' was replaced by {REPLACED['intervention.shrink']}")
     need(iv.kind in INTERVENTIONS, f"intervention.kind must be one of {INTERVENTIONS}, got {iv.kind!r}")

@@ -201,7 +201,7 @@ def attention_entropy(pattern: Tensor, support: Tensor | None = None) -> tuple[T
     the normalised value is NaN where k < 2.
     """
     p = pattern.to(torch.float64)
-    h = -(torch.where(p > 0, p * torch.log(p), torch.zeros_like(p))).sum(-1)
+    h = -torch.special.xlogy(p, p).sum(-1)  # 0 log 0 = 0
     if support is None:
         support = causal_support(p.shape[-2])
     k = support.to(torch.float64).to(p.device)

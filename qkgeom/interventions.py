@@ -29,8 +29,7 @@ both, sum(p^2) is a convex quadratic in the mixing weight, monotone on [0, 1].
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -43,34 +42,37 @@ Tensor = torch.Tensor
 CONTROLLED_METRIC = {"key": "key_weight_participation_ratio", "interaction": "interaction_rank"}
 
 
-def _mix_weight(a: float, b: float, c: float, target: float) -> float:
-    """Smallest beta in [0, 1] with (1-beta)^2 a + 2 beta (1-beta) b + beta^2 c = target."""
-    qa, qb, qc = a - 2 * b + c, 2 * (b - a), a - target
-    if abs(qa) < 1e-15:
-        return min(1.0, max(0.0, -qc / qb)) if qb else 0.0
-    disc = max(qb * qb - 4 * qa * qc, 0.0)
-    roots = [(-qb - math.sqrt(disc)) / (2 * qa), (-qb + math.sqrt(disc)) / (2 * qa)]
-    ok = [r for r in roots if -1e-12 <= r <= 1 + 1e-12]
-    return min(1.0, max(0.0, min(ok))) if ok else 1.0
+def profiles_with_pr(sv: Tensor, target_pr: Tensor) -> Tensor:
+    """Batched: singular values (N, E), descending, -> (N, E) with PR(s'^2) = target_pr (N,) per row
+    and the same norm. Targets are clipped to the feasible [1, E]."""
+    sv = sv.to(torch.float64)
+    norm2 = (sv**2).sum(-1, keepdim=True)
+    p = sv**2 / norm2
+    d = p.shape[-1]
+    want = 1.0 / torch.as_tensor(target_pr, dtype=torch.float64).clamp(1.0, float(d))  # sum(p'^2) = 1 / PR
+    a = (p**2).sum(-1)
+    lower = want >= a
+    # lower PR: mix toward the top direction e_1 (sum e_1^2 = 1, <p, e_1> = p_1); raise PR: toward
+    # the flat profile u (sum u^2 = 1/d, <p, u> = 1/d). f(beta) = |(1-beta) p + beta end|^2 is a
+    # convex quadratic, monotone on [0, 1] in both cases, so one root lies in [0, 1].
+    end = torch.where(lower.unsqueeze(-1), torch.zeros_like(p), torch.full_like(p, 1.0 / d))
+    end[..., 0] = torch.where(lower, torch.ones_like(a), torch.full_like(a, 1.0 / d))
+    b = torch.where(lower, p[..., 0], torch.full_like(a, 1.0 / d))
+    c = torch.where(lower, torch.ones_like(a), torch.full_like(a, 1.0 / d))
+    qa, qb, qc = a - 2 * b + c, 2 * (b - a), a - want
+    disc = (qb * qb - 4 * qa * qc).clamp_min(0.0).sqrt()
+    safe = qa.abs() > 1e-15
+    qa_s = torch.where(safe, qa, torch.ones_like(qa))
+    r1, r2 = (-qb - disc) / (2 * qa_s), (-qb + disc) / (2 * qa_s)  # r1 <= r2 (qa >= 0)
+    beta = torch.where((r1 >= -1e-12) & (r1 <= 1 + 1e-12), r1, r2)
+    linear = torch.where(qb != 0, -qc / torch.where(qb != 0, qb, torch.ones_like(qb)), torch.zeros_like(qb))
+    beta = torch.where(safe, beta, linear).clamp(0.0, 1.0).unsqueeze(-1)
+    return torch.sqrt(((1 - beta) * p + beta * end) * norm2)
 
 
 def profile_with_pr(sv: Tensor, target_pr: float) -> Tensor:
     """Singular values (descending, 1-D) with PR(s'^2) = target_pr and the same norm as sv."""
-    sv = sv.to(torch.float64)
-    norm2 = (sv**2).sum()
-    p = sv**2 / norm2
-    d = p.numel()
-    target_pr = min(max(target_pr, 1.0), float(d))
-    a = float((p**2).sum())
-    want = 1.0 / target_pr  # sum(p'^2) = 1 / PR
-    if want >= a:  # lower PR: mix toward the top direction e_1 (sum e_1^2 = 1, <p, e_1> = p_1)
-        beta = _mix_weight(a, float(p[0]), 1.0, want)
-        end = torch.zeros_like(p)
-        end[0] = 1.0
-    else:  # raise PR: mix toward the flat profile (sum u^2 = 1/d, <p, u> = 1/d)
-        beta = _mix_weight(a, 1.0 / d, 1.0 / d, want)
-        end = torch.full_like(p, 1.0 / d)
-    return torch.sqrt(((1 - beta) * p + beta * end) * norm2)
+    return profiles_with_pr(sv[None], torch.tensor([float(target_pr)], dtype=torch.float64))[0]
 
 
 def hold_profile(sv: Tensor, sv0: Tensor) -> Tensor:
@@ -79,17 +81,10 @@ def hold_profile(sv: Tensor, sv0: Tensor) -> Tensor:
     return sv0 * (sv.norm(dim=-1, keepdim=True) / sv0.norm(dim=-1, keepdim=True))
 
 
-def scheduled_target(pr0: float, step: int, total_steps: int, ratio: float, reach: float) -> float:
+def scheduled_target(pr0: Tensor | float, step: int, total_steps: int, ratio: float, reach: float) -> Tensor | float:
     """reference = initial: linear from PR0 at step 0 to ratio * PR0 at step reach * total_steps, then flat."""
     progress = min(1.0, step / max(1e-12, reach * total_steps))
     return pr0 * (1 - (1 - ratio) * progress)
-
-
-def needs_projection(kind: str, mode: str, current: float, target: float) -> bool:
-    """One-sided controls: a ceiling (contract) acts only above the target, a floor (expand) only below."""
-    if mode == "two-sided" or kind == "hold":
-        return True
-    return current > target if kind == "contract" else current < target
 
 
 def key_spectrum(w_k: Tensor) -> tuple[Tensor, Tensor]:
@@ -105,20 +100,58 @@ def set_key_spectrum(w_k: Tensor, s: Tensor, v: Tensor, s_new: Tensor) -> Tensor
     return w_k @ (v * ratio.unsqueeze(-2)) @ v.transpose(-1, -2)
 
 
+def _orthogonal_factor(w: Tensor) -> tuple[Tensor | None, Tensor]:
+    """W = U R with U (h, D, E) orthonormal columns and R (h, E, E) upper triangular. R comes from the
+    Cholesky factor of the E x E Gram matrix (U is then never formed: None) when every head is well
+    conditioned (cond(R) < 1e6, so the Gram's 1e12 leaves float64 ~4 safe digits), else from QR."""
+    low, info = torch.linalg.cholesky_ex(w.transpose(-1, -2) @ w)
+    diag = low.diagonal(dim1=-2, dim2=-1)
+    if bool((info == 0).all()) and bool((diag.amin(-1) > 1e-6 * diag.amax(-1)).all()):
+        return None, low.transpose(-1, -2)
+    return torch.linalg.qr(w)
+
+
+def _update_factor(w: Tensor, u: Tensor | None, m: Tensor, r: Tensor) -> Tensor:
+    """W + U M R for W = U R, without forming U when it is None: U = W R^-1."""
+    if u is None:
+        return w + w @ torch.linalg.solve_triangular(r, m @ r, upper=True)
+    return w + u @ m @ r
+
+
+def interaction_svd(w_q: Tensor, w_k: Tensor) -> tuple[Tensor, ...]:
+    """W_Q W_K^T = (U_q A) diag(s) (U_k B)^T for heads (h, D, E), from the E x E product R_q R_k^T;
+    returns (s, A, B, U_q, R_q, U_k, R_k) (U None where not formed, see _orthogonal_factor)."""
+    u_q, r_q = _orthogonal_factor(w_q)
+    u_k, r_k = _orthogonal_factor(w_k)
+    m = r_q @ r_k.transpose(-1, -2)
+    # eigh of M^T M is ~2x faster than an SVD; its singular values carry a relative error of about
+    # eps (s_max / s_i)^2, so it is used only while every s_i >= 1e-4 s_max (error <= 1e-8)
+    ev, b = torch.linalg.eigh(m.transpose(-1, -2) @ m)
+    s, b = ev.flip(-1).clamp_min(0).sqrt(), b.flip(-1)
+    if bool((s[..., -1] >= 1e-4 * s[..., 0]).all()):
+        return s, (m @ b) / s.unsqueeze(-2), b, u_q, r_q, u_k, r_k
+    a, s, bh = torch.linalg.svd(m)
+    return s, a, bh.transpose(-1, -2), u_q, r_q, u_k, r_k
+
+
 def set_interaction_spectrum(w_q: Tensor, w_k: Tensor, s_new: Tensor | None = None) -> tuple[Tensor, ...]:
     """The spectrum s of W_Q W_K^T for heads (h, D, E) and, if s_new is given, the new (W_Q, W_K)
     whose product has singular values s_new and the same singular vectors (split evenly, see the
     module docstring). Returns (s,) or (s, W_Q', W_K')."""
-    u_q, r_q = torch.linalg.qr(w_q)
-    u_k, r_k = torch.linalg.qr(w_k)
-    a, s, bh = torch.linalg.svd(r_q @ r_k.transpose(-1, -2))  # W_Q W_K^T = (U_q A) diag(s) (U_k B)^T
     if s_new is None:
-        return (s,)
-    b = bh.transpose(-1, -2)
+        u_q, r_q = _orthogonal_factor(w_q)
+        u_k, r_k = _orthogonal_factor(w_k)
+        return (torch.linalg.svdvals(r_q @ r_k.transpose(-1, -2)),)
+    svd = interaction_svd(w_q, w_k)
+    return (svd[0], *_set_interaction(w_q, w_k, svd, s_new))
+
+
+def _set_interaction(w_q: Tensor, w_k: Tensor, svd: tuple[Tensor, ...], s_new: Tensor) -> tuple[Tensor, Tensor]:
+    s, a, b, u_q, r_q, u_k, r_k = svd
     d = torch.where(s > 1e-12 * s[..., :1], (s_new / s.clamp_min(1e-300)).sqrt(), torch.ones_like(s)) - 1
-    new_q = w_q + u_q @ (a * d.unsqueeze(-2)) @ a.transpose(-1, -2) @ r_q
-    new_k = w_k + u_k @ (b * d.unsqueeze(-2)) @ b.transpose(-1, -2) @ r_k
-    return s, new_q, new_k
+    new_q = _update_factor(w_q, u_q, (a * d.unsqueeze(-2)) @ a.transpose(-1, -2), r_q)
+    new_k = _update_factor(w_k, u_k, (b * d.unsqueeze(-2)) @ b.transpose(-1, -2), r_k)
+    return new_q, new_k
 
 
 def notes(cfg: InterventionConfig, qk_init: str) -> list[str]:
@@ -138,6 +171,8 @@ class SpectrumControl:
 
     baseline: for reference = "baseline", (steps (n,), values (L, H, n)) of the controlled metric in
     the same seed's unconstrained run; targets are interpolated linearly between its probes.
+    All controlled heads of all layers are decomposed and projected as one batch (one eigh / SVD
+    call per step), so the control's cost does not grow with Python loops over heads.
     """
 
     cfg: InterventionConfig
@@ -145,6 +180,7 @@ class SpectrumControl:
     sv0: dict[int, Tensor]  # layer -> (H, E) initial singular values of the controlled object
     total_steps: int
     baseline: tuple[np.ndarray, np.ndarray] | None = None
+    _sv0_all: Tensor | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def create(
@@ -177,60 +213,98 @@ class SpectrumControl:
         ctl.sv0 = {li: ctl.spectrum(w_q, w_k, li) for li in layers}
         return ctl
 
+    @property
+    def _pairs(self) -> list[tuple[int, int]]:
+        """(layer, head) of every controlled head, in the batch order of `apply`."""
+        return [(li, h) for li, heads in self.targets.items() for h in heads]
+
+    def _initial(self) -> Tensor:
+        """Initial singular values (N, E) of the controlled heads, in the order of `_pairs` (cached)."""
+        if self._sv0_all is None:
+            self._sv0_all = torch.stack([self.sv0[li][h] for li, h in self._pairs]).to(torch.float64)
+        return self._sv0_all
+
+    def _gather(self, w: list[Tensor]) -> Tensor:
+        """The controlled heads of every layer as one float64 batch (N, D, E)."""
+        n_heads = w[0].shape[0]
+        parts = [w[li] if len(heads) == n_heads else w[li][heads] for li, heads in self.targets.items()]
+        return torch.cat(parts).to(torch.float64)
+
+    def _scatter(self, w: list[Tensor], new: Tensor, act: Tensor) -> None:
+        """Write the rows of `new` (N, D, E) whose `act` is set back into their heads, in place."""
+        new, i = new.to(w[0].dtype), 0
+        for li, heads in self.targets.items():
+            rows = act[i : i + len(heads)]
+            if bool(rows.all()) and len(heads) == w[li].shape[0]:
+                w[li].copy_(new[i : i + len(heads)])
+            else:
+                for j in torch.nonzero(rows).flatten().tolist():
+                    w[li][heads[j]].copy_(new[i + j])
+            i += len(heads)
+
     def spectrum(self, w_q: list[Tensor], w_k: list[Tensor], layer: int) -> Tensor:
         """Singular values (H, E) of the controlled object of every head of `layer`."""
         if self.cfg.on == "key":
             return torch.linalg.svdvals(w_k[layer].detach().to(torch.float64))
         return set_interaction_spectrum(w_q[layer].detach().double(), w_k[layer].detach().double())[0]
 
-    def target_pr(self, layer: int, head: int, step: int) -> float:
-        """The PR the controlled head is steered to (hold: its initial PR), clipped to the feasible [1, E]."""
-        pr0 = float(participation_ratio(self.sv0[layer][head] ** 2))
+    def target_prs(self, step: int) -> Tensor:
+        """The PR (N,) each controlled head is steered to (hold: its initial PR), clipped to the feasible
+        [1, E]; heads in the order of `_pairs`."""
+        pairs, sv0 = self._pairs, self._initial()
+        pr0 = participation_ratio(sv0**2)
         if self.cfg.kind == "hold":
-            return pr0
-        if self.cfg.reference == "initial":
+            target = pr0
+        elif self.cfg.reference == "initial":
             target = scheduled_target(pr0, step, self.total_steps, self.cfg.ratio, self.cfg.reach_fraction)
         else:
             steps, values = self.baseline
-            target = self.cfg.ratio * float(np.interp(step, steps, values[layer, head]))
-        return min(max(target, 1.0), float(self.sv0[layer].shape[-1]))  # a PR lies in [1, E]
+            ref = [np.interp(step, steps, values[li, h]) for li, h in pairs]
+            target = self.cfg.ratio * torch.tensor(ref, dtype=torch.float64)
+        return target.clamp(1.0, float(sv0.shape[-1]))  # a PR lies in [1, E]
+
+    def target_pr(self, layer: int, head: int, step: int) -> float:
+        """The target of one controlled head (see target_prs)."""
+        return float(self.target_prs(step)[self._pairs.index((layer, head))])
 
     @torch.no_grad()
     def apply(self, w_q: list[Tensor], w_k: list[Tensor], step: int) -> None:
-        """Overwrite the controlled heads of each layer after optimiser step `step` (float64 maths)."""
-        for li, heads in self.targets.items():
-            sel_k = w_k[li][heads].to(torch.float64)  # (h, D, E)
-            if self.cfg.on == "key":
-                s, v = key_spectrum(sel_k)
-            else:
-                sel_q = w_q[li][heads].to(torch.float64)
-                (s,) = set_interaction_spectrum(sel_q, sel_k)
-            s_new = s.clone()
-            for i, h in enumerate(heads):
-                if self.cfg.kind == "hold":
-                    s_new[i] = hold_profile(s[i], self.sv0[li][h])
-                    continue
-                target = self.target_pr(li, h, step)
-                if needs_projection(self.cfg.kind, self.cfg.mode, float(participation_ratio(s[i] ** 2)), target):
-                    s_new[i] = profile_with_pr(s[i], target)
-            if torch.equal(s_new, s):
-                continue  # no head of this layer crossed its ceiling / floor
-            if self.cfg.on == "key":
-                new_k = set_key_spectrum(sel_k, s, v, s_new)
-            else:
-                _, new_q, new_k = set_interaction_spectrum(sel_q, sel_k, s_new)
-                for i, h in enumerate(heads):
-                    w_q[li][h].copy_(new_q[i].to(w_q[li].dtype))
-            for i, h in enumerate(heads):
-                w_k[li][h].copy_(new_k[i].to(w_k[li].dtype))
+        """Overwrite the controlled heads after optimiser step `step` (float64 maths, one batch)."""
+        if not self.targets:
+            return
+        sel_k = self._gather(w_k)  # (N, D, E)
+        if self.cfg.on == "key":
+            s, v = key_spectrum(sel_k)
+        else:
+            sel_q = self._gather(w_q)
+            svd = interaction_svd(sel_q, sel_k)
+            s = svd[0]
+        if self.cfg.kind == "hold":
+            s_new, act = hold_profile(s, self._initial()), torch.ones(len(s), dtype=torch.bool)
+        else:
+            target = self.target_prs(step)
+            current = participation_ratio(s**2)
+            if self.cfg.mode == "two-sided":
+                act = torch.ones_like(current, dtype=torch.bool)
+            else:  # one-sided: a ceiling (contract) acts only above the target, a floor (expand) only below
+                act = current > target if self.cfg.kind == "contract" else current < target
+            if not bool(act.any()):
+                return  # no head crossed its ceiling / floor: weights stay bit-identical
+            s_new = torch.where(act.unsqueeze(-1), profiles_with_pr(s, target), s)
+        if self.cfg.on == "key":
+            new_k = set_key_spectrum(sel_k, s, v, s_new)
+        else:
+            new_q, new_k = _set_interaction(sel_q, sel_k, svd, s_new)
+            self._scatter(w_q, new_q, act)
+        self._scatter(w_k, new_k, act)
 
     def rows(self, step: int) -> list[dict]:
         """Target rows (`<controlled metric>_target`) of the controlled heads, next to the achieved value."""
         metric = CONTROLLED_METRIC[self.cfg.on] + "_target"
+        targets = self.target_prs(step).tolist() if self.targets else []
         return [
-            {"layer": li, "head": h, "site": "none", "metric": metric, "value": self.target_pr(li, h, step)}
-            for li, heads in self.targets.items()
-            for h in heads
+            {"layer": li, "head": h, "site": "none", "metric": metric, "value": t}
+            for (li, h), t in zip(self._pairs, targets, strict=True)
         ]
 
     def state_dict(self) -> dict:
@@ -238,3 +312,4 @@ class SpectrumControl:
 
     def load_state_dict(self, state: dict) -> None:
         self.sv0 = {int(k): v for k, v in state["sv0"].items()}
+        self._sv0_all = None

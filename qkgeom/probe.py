@@ -310,9 +310,12 @@ def gpt_weights(model: torch.nn.Module) -> tuple[list[Tensor], list[Tensor]]:
     return [b.attn.heads(b.attn.W_Q) for b in model.blocks], [b.attn.heads(b.attn.W_K) for b in model.blocks]
 
 
-def probe_gpt(model: torch.nn.Module, idx: Tensor) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """All activation- and weight-side rows and spectra of our GPT on the probe batch."""
-    acc = GeometryAccumulator()
+def probe_gpt(
+    model: torch.nn.Module, idx: Tensor, logit_max_seqs: int | None = None
+) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """All activation- and weight-side rows and spectra of our GPT on the probe batch; the logit
+    spectrum from the first `logit_max_seqs` sequences (None: all)."""
+    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs)
     acc.update(gpt_snapshot(model, idx))
     w_rows, w_spectra = weight_geometry(*gpt_weights(model))
     return acc.rows() + w_rows, {**acc.spectra(), **w_spectra}

@@ -263,6 +263,7 @@ class _Run:
                 "probe_steps": sorted(self.schedule),
                 "probe_n_seqs": n_probe,
                 "probe_tokens": n_probe * cfg.model.n_ctx,
+                "probe_logit_seqs": min(n_probe, cfg.probe.logit_max_seqs or n_probe),
                 "notes": I.notes(cfg.intervention, cfg.model.qk_init),
             },
         )
@@ -289,7 +290,7 @@ class _Run:
         self.model.eval()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NumericalWarning)
-            rows, spec = probe_gpt(self.model, self.probe_idx)
+            rows, spec = probe_gpt(self.model, self.probe_idx, self.cfg.probe.logit_max_seqs or None)
         for w in caught:  # a numerical fallback is recorded, never fatal
             self.rd.append_warning({"step": step, "warning": str(w.message)})
         rows += self.control.rows(step)

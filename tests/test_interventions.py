@@ -218,3 +218,21 @@ def test_ceiling_relative_to_the_baseline_run_in_training(tmp_path):
     missing = tiny_config(train={"steps": 30}, intervention={"kind": "contract", "ratio": 0.6, "baseline": "nope"})
     with pytest.raises(Exception, match="not finished"):
         train(missing, tmp_path / "c2", progress=False)
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-5, 1e-8, 0.0])
+def test_interaction_spectrum_fallbacks_on_ill_conditioned_heads(scale):
+    # one column of W_K scaled by `scale`: 1.0 takes the Cholesky + eigh fast path, 1e-5 the SVD
+    # fallback (s_min < 1e-4 s_max), 1e-8 the QR fallback (cond(R) > 1e6), 0.0 a rank-deficient head;
+    # all must match a plain SVD of the D x D product
+    w_q, w_k = _heads(4)[0], _heads(5)[0]
+    w_k[:, :, -1] *= scale
+    s = I.set_interaction_spectrum(w_q, w_k)[0]
+    ref = torch.linalg.svdvals(w_q @ w_k.transpose(-1, -2))[:, :6]
+    assert torch.allclose(s, ref, rtol=1e-9, atol=1e-12 * float(ref.max()))
+    target = torch.full((4,), 2.0, dtype=torch.float64)
+    new_s = I.profiles_with_pr(s, target)
+    _, q1, k1 = I.set_interaction_spectrum(w_q, w_k, new_s)
+    got = torch.linalg.svdvals(q1 @ k1.transpose(-1, -2))[:, :6]
+    assert torch.allclose(got, new_s, rtol=1e-7, atol=1e-9 * float(ref.max()))
+    assert torch.isfinite(q1).all() and torch.isfinite(k1).all()

@@ -126,3 +126,26 @@ def test_measure_with_plain_pytorch_hooks_on_a_foreign_model():
         ent, _ = G.attention_entropy(pattern[:, h].double())
         assert got[(0, h, "attention_entropy")] == pytest.approx(ent[:, 1:].mean().item(), rel=1e-6)
     assert {"logit_participation_ratio", "participation_ratio_contrast"} <= set(rows["metric"])
+
+
+def test_gpt_probe_logit_cap_uses_the_first_sequences_only():
+    # the cap changes only the logit rows, and they equal an uncapped probe of those sequences
+    from qkgeom import config as C
+    from qkgeom.model import GPT
+    from qkgeom.probe import probe_gpt
+
+    cfg = C.load("tiny")
+    model = GPT(cfg.model, vocab_size=50, seed=0).eval()
+    idx = torch.randint(0, 50, (6, cfg.model.n_ctx), generator=torch.Generator().manual_seed(0))
+    full, capped, first = (
+        rows_to_dict(probe_gpt(model, i, cap)[0]) for i, cap in ((idx, None), (idx, 2), (idx[:2], None))
+    )
+    assert full.keys() == capped.keys()
+    n_logit = 0
+    for key, v in capped.items():
+        if key[2].startswith("logit_"):
+            n_logit += 1
+            assert v == pytest.approx(first[key], rel=1e-12)
+        else:
+            assert v == full[key]
+    assert n_logit > 0 and any(capped[k] != full[k] for k in capped if k[2].startswith("logit_"))
