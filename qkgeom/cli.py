@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model", help="hub name (EleutherAI/pythia-70m) or local folder (also one with a folder per revision)"
     )
     p.add_argument("--config", help="a TOML file with a [pretrained] table (fields of qkgeom.config.PretrainedConfig)")
-    _add_set_arg(p, "override a field, e.g. --set logit_max_seqs=4 (repeatable; the flags below are shortcuts)")
+    _add_set_arg(p, "override a field, e.g. --set logit_max_seqs=16 (repeatable; the flags below are shortcuts)")
     p.add_argument("--revision", action="append", default=[], help="revision (repeatable), e.g. step1000")
     p.add_argument("--family", choices=["pythia"], help="add a built-in revision schedule")
     p.add_argument("--every", type=int, help="with --family: keep every k-th of the linear part (default 1)")

@@ -74,6 +74,7 @@ def analyse_revision(
     )  # fmt: skip
     step = step_of(rev)
     tps = tokens_per_step(path)
+    n_seqs = min(pc.n_tokens, len(tokens)) // ((seq_len - len(prefix)) * pc.batch_size) * pc.batch_size
     info = {
         "model": pc.model,
         "revision": rev,
@@ -82,11 +83,10 @@ def analyse_revision(
         "weights_sha256": weights_digest(model),
         "model_type": model.config.model_type,
         "pretrained_config": C.to_dict(pc),  # every setting that changes a number
-        "n_tokens": min(pc.n_tokens, len(tokens))
-        // ((seq_len - len(prefix)) * pc.batch_size)
-        * seq_len
-        * pc.batch_size,
+        "n_tokens": n_seqs * seq_len,
         "seq_len": seq_len,
+        # the logit spectrum (T x T eigen-solves) is sampled: the first logit_seqs sequences
+        "logit_seqs": min(n_seqs, pc.logit_max_seqs or n_seqs),
         "start_tokens": list(prefix),  # the model's own special tokens opening every sequence ([] if stripped)
         "provenance": provenance(),
     }
@@ -182,6 +182,10 @@ def run_pretrained(
     return analyse_family(pc, family_revisions(pc), Path(out), tokens_fn, executor, address, progress)
 
 
+# one row per revision in revisions.csv and the report (logit_seqs: the logit-spectrum sample)
+REVISION_COLUMNS = ("model", "revision", "step", "tokens_seen", "n_tokens", "logit_seqs", "weights_sha256")
+
+
 def load_family(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     """(geometry rows of every finished revision, one row per revision with hash-based flags)."""
     frames, infos = [], []
@@ -193,7 +197,7 @@ def load_family(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         g = rd.read_geometry()
         g["revision"], g["model"] = info["revision"], info["model"]
         frames.append(g)
-        infos.append({k: info[k] for k in ("model", "revision", "step", "tokens_seen", "weights_sha256")})
+        infos.append({k: info.get(k) for k in REVISION_COLUMNS})
     if not frames:
         from qkgeom.analysis import AnalysisError
 

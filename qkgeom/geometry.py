@@ -196,15 +196,17 @@ def causal_support(n_ctx: int) -> Tensor:
 def attention_entropy(pattern: Tensor, support: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Entropy (nats) and normalised entropy of each attention row.
 
-    pattern: (..., T_q, T_k) rows of probabilities. support: (..., T_q) number of keys each
-    row may attend to; default causal (t + 1). Returns (H, H / log k), both (..., T_q);
-    the normalised value is NaN where k < 2.
+    pattern: (..., T_q, T_k) rows of probabilities.
+    support: (..., T_q) number of keys each row may attend to; default causal (t + 1).
+    Returns (H, H / log k), both (..., T_q); the normalised value is NaN where k < 2.
     """
-    p = pattern.to(torch.float64)
-    h = -torch.special.xlogy(p, p).sum(-1)  # 0 log 0 = 0
+    # float64 input stays float64; otherwise float32, the model's own precision (a row sum of T terms
+    # <= 1/e: relative error ~1e-7, far below what any entropy summary resolves)
+    p = pattern if pattern.dtype == torch.float64 else pattern.to(torch.float32)
+    h = (-torch.special.xlogy(p, p).sum(-1)).to(torch.float64)  # 0 log 0 = 0
     if support is None:
         support = causal_support(p.shape[-2])
-    k = support.to(torch.float64).to(p.device)
+    k = support.to(torch.float64).to(h.device)
     logk = torch.log(k)
     norm = torch.where(k >= 2, h / torch.where(k >= 2, logk, torch.ones_like(logk)), torch.full_like(h, math.nan))
     return h, norm
@@ -237,21 +239,23 @@ def interaction_rank(sv: Tensor) -> Tensor:
 
 
 def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
-    """Singular values (descending) of the score matrix S = Q K^T / sqrt(d_head), future entries
-    zeroed if causal. q, k: (..., T, d_head) -> (..., T).
+    """Singular values (descending, float64) of the score matrix S = Q K^T / sqrt(d_head), future
+    entries zeroed if causal. q, k: (..., T, d_head) -> (..., T).
 
-    S is formed in float64 and its singular values taken as sqrt(eig(S^T S)) with the T x T
-    eigenproblem solved in float32 (the dominant cost of a probe, 2x cheaper than float64): the
+    S is formed in the inputs' precision (float32 for a float32 model: the scores the model itself
+    computes; float64 inputs stay float64) and its singular values taken as sqrt(eig(S^T S)) with
+    the T x T eigenproblem solved in float32 (the dominant cost, 2x cheaper than float64): the
     relative error is ~1e-6 of the largest squared singular value, far below what the reported
     summaries (PR of s^2, s_max) resolve. If the float32 solve fails (it can, on some CPUs, for
     ill-conditioned input), :func:`robust_eigvalsh` falls back to float64, then to an SVD.
     """
-    q64, k64 = q.detach().to(torch.float64), k.detach().to(torch.float64)
-    scores = q64 @ k64.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    work = torch.float64 if q.dtype == torch.float64 or k.dtype == torch.float64 else torch.float32
+    scores = q.detach().to(work) @ k.detach().to(work).transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         scores = torch.tril(scores)
     # normalise first (singular values scale linearly) so float32 cannot overflow on huge weights
-    scale = scores.abs().amax(dim=(-1, -2), keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)
-    unit = scores / scale
+    top = torch.maximum(scores.amax(dim=(-1, -2), keepdim=True), -scores.amin(dim=(-1, -2), keepdim=True))
+    scale = top.clamp_min(torch.finfo(work).tiny)
+    unit = scores.div_(scale)
     ev = robust_eigvalsh(unit.transpose(-1, -2) @ unit, fast=True, what="logit spectrum")
-    return ev.flip(-1).clamp_min(0).sqrt() * scale[..., 0]
+    return ev.flip(-1).clamp_min(0).sqrt() * scale[..., 0].to(torch.float64)

@@ -219,7 +219,7 @@ def analyse_model(
     model: nn.Module,
     batches: Iterator[Tensor],
     progress: bool = False,
-    logit_max_seqs: int | None = 16,
+    logit_max_seqs: int | None = 4,
     gram_dtype: torch.dtype = torch.float32,
     keep: list | None = None,
 ) -> tuple[list[dict], dict]:

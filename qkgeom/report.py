@@ -291,7 +291,9 @@ def write_family_report(path: str | Path, early_max_step: int = 1000) -> Path:
         f"<h1>qkgeom checkpoint family: {html.escape(path.name)}</h1>",
         f"<p>{len(revs)} revisions; early window: steps &le; {early_max_step}. Revisions whose weights hash "
         "identically to an earlier one are flagged (public checkpoint suites are known to serve duplicated "
-        "revisions).</p>",
+        "revisions). Every token enters the covariances and entropies; the logit-spectrum rows (logit_*) are "
+        "averages over the first <code>logit_seqs</code> sequences only (the same sequences in every "
+        "revision), a sample, since each needs T &times; T eigen-solves.</p>",
     ]
     figures = []
     if geometry["step"].ge(0).any():
