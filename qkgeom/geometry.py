@@ -144,12 +144,20 @@ class CovarianceAccumulator:
 
     def update(self, x: Tensor) -> None:
         self._eig = None
-        x = x.detach().to(torch.float64)
+        x = x.detach()
         nb = x.shape[-2]
         if nb == 0:
             return
-        mb = x.mean(-2)  # (..., d)
-        xc = (x - mb.unsqueeze(-2)).to(self.gram_dtype)
+        if x.dtype == self.gram_dtype == torch.float32:
+            # no float64 copy of the batch: centered in float32 against the float64 mean rounded to
+            # float32; where a value is close to the mean (|x - m| << |m|) the difference is exact
+            # (Sterbenz), so the only extra error is that one rounding, a constant shift per column
+            mb = x.mean(-2, dtype=torch.float64)  # (..., d)
+            xc = x - mb.to(torch.float32).unsqueeze(-2)
+        else:
+            x = x.to(torch.float64)
+            mb = x.mean(-2)
+            xc = (x - mb.unsqueeze(-2)).to(self.gram_dtype)
         m2b = (xc.transpose(-1, -2) @ xc).to(torch.float64)  # (..., d, d)
         if self.mean is None:
             self.n, self.mean, self.m2 = nb, mb, m2b

@@ -113,6 +113,22 @@ def test_float32_gram_stays_close_to_float64():
     assert torch.allclose(fast.mean, exact.mean)  # means stay exact
 
 
+def test_float32_rows_centered_in_float32_stay_close_to_float64():
+    # float32 activations with a mean 1,000x the spread of the smallest direction (as in LLMs' massive
+    # activations): the float32 path (no float64 copy) matches float64 maths on the same values
+    g = torch.Generator().manual_seed(0)
+    scales = torch.logspace(0, -2, 48, dtype=torch.float64)
+    x = (torch.randn(12, 512, 48, generator=g, dtype=torch.float64) * scales + 10.0).to(torch.float32)
+    exact, fast = G.CovarianceAccumulator(), G.CovarianceAccumulator(torch.float32)
+    for chunk in x:
+        exact.update(chunk.double())
+        fast.update(chunk)
+    assert torch.allclose(fast.eigenvalues(), exact.eigenvalues(), rtol=1e-4, atol=1e-6 * exact.eigenvalues()[0])
+    pr_exact, pr_fast = G.participation_ratio(exact.eigenvalues()), G.participation_ratio(fast.eigenvalues())
+    assert pr_fast.item() == pytest.approx(pr_exact.item(), rel=1e-5)
+    assert torch.allclose(fast.mean, exact.mean, rtol=1e-12)  # means stay float64
+
+
 def test_logit_singular_values_do_not_overflow_on_huge_scores():
     q = torch.randn(2, 6, 3, dtype=torch.float64) * 1e25  # S^T S would overflow float32 unscaled
     k = torch.randn(2, 6, 3, dtype=torch.float64) * 1e25
