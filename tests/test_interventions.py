@@ -236,3 +236,19 @@ def test_interaction_spectrum_fallbacks_on_ill_conditioned_heads(scale):
     got = torch.linalg.svdvals(q1 @ k1.transpose(-1, -2))[:, :6]
     assert torch.allclose(got, new_s, rtol=1e-7, atol=1e-9 * float(ref.max()))
     assert torch.isfinite(q1).all() and torch.isfinite(k1).all()
+
+
+def test_restored_control_targets_its_initial_spectrum_not_the_resumed_weights():
+    # on resume the control is created from the checkpoint's (trained) weights, then its state is
+    # loaded: targets must come from the run's step-0 spectrum again (and no stale cache survives)
+    w_q, w_k = _heads(6), _heads(7)
+    cfg = C.InterventionConfig(kind="contract", on="interaction", reference="initial", mode="two-sided", ratio=0.5)
+    ctl = I.SpectrumControl.create(cfg, w_q, w_k, total_steps=10)
+    want = ctl.target_prs(3).clone()
+    for step in range(1, 6):
+        ctl.apply(w_q, w_k, step)
+    resumed = I.SpectrumControl.create(cfg, w_q, w_k, total_steps=10)
+    resumed.target_prs(3)  # fills the cache from the trained weights
+    resumed.load_state_dict(ctl.state_dict())
+    assert torch.equal(resumed.target_prs(3), want)
+    assert not torch.allclose(I.SpectrumControl.create(cfg, w_q, w_k, 10).target_prs(3), want)
