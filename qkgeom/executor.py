@@ -64,6 +64,11 @@ def run_jobs(
 
 def _worker_init() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker interrupted in start-up would be poisoned
+    # tqdm makes a multiprocessing lock (a named semaphore) on first use, even disabled; a worker
+    # ended by terminate() cannot unlink it, and the resource tracker then warns of a leak at exit
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     try:
         import ctypes
 
@@ -74,11 +79,15 @@ def _worker_init() -> None:
 
 def _stop(pool: ProcessPoolExecutor) -> None:
     """Cancel queued jobs and end running ones now (resumable jobs lose nothing finished)."""
+    procs = list((pool._processes or {}).values())  # shutdown() forgets them: take them first
+    manager = pool._executor_manager_thread
     pool.shutdown(wait=False, cancel_futures=True)
-    for p in list((pool._processes or {}).values()):
+    for p in procs:
         p.terminate()
-    for p in list((pool._processes or {}).values()):
+    for p in procs:
         p.join(timeout=10)
+    if manager is not None:  # it sees the workers gone and closes the queues (and their semaphores)
+        manager.join(timeout=10)
 
 
 def _on_sigterm(signum, frame) -> None:
@@ -90,6 +99,9 @@ def _run_pool(fn: Callable[..., Any], jobs: list[Job], workers: int) -> Iterator
     queue = list(jobs)
     main_thread = threading.current_thread() is threading.main_thread()  # signal handlers only there
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    # the CLI restores SIGPIPE's default (quiet `| head`); stopping workers writes to their closed
+    # pipes, which must raise (and be handled by the pool) rather than kill this process
+    previous_pipe = signal.signal(signal.SIGPIPE, signal.SIG_IGN) if main_thread else None
     try:
         while queue:
             lost: list[Job] = []
@@ -117,6 +129,7 @@ def _run_pool(fn: Callable[..., Any], jobs: list[Job], workers: int) -> Iterator
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
+            signal.signal(signal.SIGPIPE, previous_pipe)
 
 
 def _ray():

@@ -203,6 +203,24 @@ def test_killed_sweep_leaves_no_workers_and_reruns_to_the_same_result(clean_swee
         assert_same_run(run, out / run.name)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_interrupted_sweep_stops_long_runs_at_once(tmp_path, sig):
+    # runs far longer than the test: the parent must stop its workers mid-run and exit within
+    # seconds (it once printed "interrupted" and then waited for every running job to finish)
+    sweep = tmp_path / "long.toml"
+    sweep.write_text(SWEEP.replace('"train.steps" = 40', '"train.steps" = 1000000'))
+    out = tmp_path / "s"
+    proc = start_sweep_and_wait_for_a_checkpoint(sweep, out)
+    workers = _children(proc.pid)
+    assert len(workers) == 2
+    tic = time.time()
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert time.time() - tic < 20, f"the sweep took {time.time() - tic:.0f} s to stop"
+    assert proc.returncode == 130 and err.strip().count("\n") == 0 and "interrupted" in err, err
+    assert not _alive(workers) and not list(out.glob("*/done.json"))
+
+
 def test_a_worker_killed_like_the_oom_killer_is_retried(tmp_path):
     sweep = tmp_path / "f.toml"
     sweep.write_text(SWEEP)
