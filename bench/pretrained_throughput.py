@@ -6,12 +6,15 @@ Models (random weights, built from configs, no hub access):
 Targets (issues 5, 12): tokens/s >= 0.7x the plain forward's with output_attentions (issue 12: on
 gqa30 at >= 8,192 tokens); peak memory the same at two token counts --factor (10) x apart. Peak memory is the
 resident set size sampled every 5 ms during each call, above the level before the call.
-Usage: python bench/pretrained_throughput.py [--shape gqa30] [--tokens 8192] [--seq-len 256] [--batch-size 8]
+Plain forward and qkgeom alternate, --rounds times per token count; the ratio is given with a 95%
+t-interval over rounds.
+Usage: python bench/pretrained_throughput.py [--shape gqa30] [--tokens 8192] [--factor 2] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import threading
 import time
@@ -20,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qkgeom import stats
 from qkgeom.pretrained import analyse_model, load_model, token_batches
 
 
@@ -50,6 +54,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096, help="smaller token count (the larger is --factor x)")
     ap.add_argument("--factor", type=int, default=10, help="the larger token count / the smaller (default 10)")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds per token count (default 3)")
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
@@ -105,17 +110,25 @@ def main() -> None:
         f"{label}, random weights; batches of {args.batch_size} x {args.seq_len}, {args.threads} threads, "
         f"logit spectrum from the first {args.logit_seqs} sequences"
     )
-    results = {}
+    peak = {}
     for n in (args.tokens, args.factor * args.tokens):
-        for name, fn in (("plain forward + output_attentions", run_plain), ("qkgeom pretrained", run_ours)):
-            s, mem = measure(lambda fn=fn, n=n: fn(n))
-            results[(name, n)] = (n / s, mem)
-            print(f"{name:34s} {n:7d} tokens: {n / s:8.0f} tokens/s, peak RSS +{mem / 2**20:7.1f} MiB")
-    for n in (args.tokens, args.factor * args.tokens):
-        ratio = results[("qkgeom pretrained", n)][0] / results[("plain forward + output_attentions", n)][0]
-        print(f"throughput ratio at {n} tokens: {ratio:.2f} (target >= 0.7)")
-    ours = "qkgeom pretrained"
-    small, large = results[(ours, args.tokens)][1], results[(ours, args.factor * args.tokens)][1]
+        ratios, tps = [], {"plain": [], "ours": []}
+        for _ in range(args.rounds):  # alternating, so drifts in machine load hit both sides alike
+            s_plain, m_plain = measure(lambda n=n: run_plain(n))
+            s_ours, m_ours = measure(lambda n=n: run_ours(n))
+            ratios.append(s_plain / s_ours)
+            tps["plain"].append(n / s_plain)
+            tps["ours"].append(n / s_ours)
+            peak[n] = max(peak.get(n, 0), m_ours)
+        lo, hi = stats.t_mean_ci(np.array(ratios)) if len(ratios) > 1 else (math.nan, math.nan)
+        print(
+            f"{n:7d} tokens: plain forward + output_attentions {np.mean(tps['plain']):6.0f} tokens/s "
+            f"(peak RSS +{m_plain / 2**20:.0f} MiB), qkgeom pretrained {np.mean(tps['ours']):6.0f} tokens/s; "
+            f"ratio {np.mean(ratios):.3f} [95% t {lo:.3f}, {hi:.3f}] over {len(ratios)} rounds "
+            f"({', '.join(f'{r:.3f}' for r in ratios)}) (target >= 0.7)",
+            flush=True,
+        )
+    small, large = peak[args.tokens], peak[args.factor * args.tokens]
     print(
         f"qkgeom peak memory: +{small / 2**20:.1f} MiB at {args.tokens} tokens, +{large / 2**20:.1f} MiB at "
         f"{args.factor * args.tokens} tokens (target: the same)"

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -27,9 +28,36 @@ class NumericalWarning(UserWarning):
     """A solve fell back to a slower route, or gave NaN; the message names the solve."""
 
 
+_POOL: ThreadPoolExecutor | None = None
+
+
+def batched_eigvalsh(mat: Tensor) -> Tensor:
+    """torch.linalg.eigvalsh of a batch (..., n, n), the batch split over torch's CPU threads.
+
+    On CPU torch solves a batch one matrix after another on one core (LAPACK), whatever
+    torch.get_num_threads() says; the probe's and the pretrained analysis's hundreds of small
+    eigenproblems then do not speed up with threads while everything around them does. A batch with
+    enough work (~5 ms) is cut into one chunk per thread, each solved with one LAPACK thread: the
+    values are those of a 1-thread run, bit for bit, whatever the thread count."""
+    k = torch.get_num_threads()
+    flat = mat.reshape(-1, *mat.shape[-2:])
+    n = mat.shape[-1]
+    if k < 2 or flat.shape[0] < 2 * k or flat.shape[0] * n**3 < 2**24 or mat.device.type != "cpu":  # ~5 ms
+        return torch.linalg.eigvalsh(mat)
+    global _POOL
+    if _POOL is None or _POOL._max_workers != k:
+        _POOL = ThreadPoolExecutor(k, thread_name_prefix="qkgeom-eigvalsh")
+    torch.set_num_threads(1)  # one LAPACK thread per chunk: k chunks side by side
+    try:
+        parts = list(_POOL.map(torch.linalg.eigvalsh, flat.chunk(k)))
+    finally:
+        torch.set_num_threads(k)
+    return torch.cat(parts).reshape(mat.shape[:-1])
+
+
 def _eigvalsh_or_none(mat: Tensor, dtype: torch.dtype) -> Tensor | None:
     try:
-        ev = torch.linalg.eigvalsh(mat.to(dtype)).to(torch.float64)
+        ev = batched_eigvalsh(mat.to(dtype)).to(torch.float64)
     except torch.linalg.LinAlgError:
         return None
     return ev if torch.isfinite(ev).all() else None
@@ -129,10 +157,11 @@ class CovarianceAccumulator:
     """Streaming mean and centered covariance (float64) of row vectors, merged exactly (Chan et al.).
 
     ``update(x)`` takes (..., n, d); the leading dims (e.g. heads) must stay the same between
-    calls. Memory is O(d^2) per group, whatever the number of rows seen. Batch means, centering,
-    merges and the running state are float64; `gram_dtype` is the precision of each batch's
-    centered product X_c^T X_c (float64 by default; float32 halves the cost on wide layers of
-    pretrained models with a relative error of ~1e-6 on the spectrum, see tests).
+    calls. Memory is O(d^2) per group, whatever the number of rows seen. Merges and the running
+    state are float64; `gram_dtype` is the precision of each batch's centered product X_c^T X_c
+    (float64 by default: batch means and centering in float64 too; float32 halves the cost on wide
+    layers of pretrained models, with a relative error of ~1e-6 on the spectrum, and float32 rows
+    are then centered in float32 with a corrected mean, see `update` and the tests).
     """
 
     def __init__(self, gram_dtype: torch.dtype = torch.float64) -> None:
@@ -149,16 +178,20 @@ class CovarianceAccumulator:
         if nb == 0:
             return
         if x.dtype == self.gram_dtype == torch.float32:
-            # no float64 copy of the batch: centered in float32 against the float64 mean rounded to
-            # float32; where a value is close to the mean (|x - m| << |m|) the difference is exact
-            # (Sterbenz), so the only extra error is that one rounding, a constant shift per column
-            mb = x.mean(-2, dtype=torch.float64)  # (..., d)
-            xc = x - mb.to(torch.float32).unsqueeze(-2)
+            # no float64 copy of the batch (it cost as much as the Gram): centered in float32 on the
+            # float32 mean m32, where x - m32 is exact for values near the mean (Sterbenz); the mean's
+            # own error is then the mean c of the residuals, small and summed at the residuals' scale,
+            # so mb = m32 + c is accurate to ~1e-7 of the spread, and the Gram is shifted to it exactly
+            m32 = x.mean(-2, keepdim=True)
+            xc = x - m32
+            c = xc.mean(-2).to(torch.float64)  # (..., d)
+            mb = m32.squeeze(-2).to(torch.float64) + c
+            m2b = (xc.transpose(-1, -2) @ xc).to(torch.float64) - nb * c.unsqueeze(-1) * c.unsqueeze(-2)
         else:
             x = x.to(torch.float64)
-            mb = x.mean(-2)
+            mb = x.mean(-2)  # (..., d)
             xc = (x - mb.unsqueeze(-2)).to(self.gram_dtype)
-        m2b = (xc.transpose(-1, -2) @ xc).to(torch.float64)  # (..., d, d)
+            m2b = (xc.transpose(-1, -2) @ xc).to(torch.float64)  # (..., d, d)
         if self.mean is None:
             self.n, self.mean, self.m2 = nb, mb, m2b
             return
