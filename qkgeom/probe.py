@@ -157,6 +157,7 @@ class GeometryAccumulator:
         def add(layer: int, head: int, metric: str, value: float) -> None:
             out.append({"layer": layer, "head": head, "site": self.site, "metric": metric, "value": float(value)})
 
+        G.solve_together([acc for st in self.layers for acc in (st.q_all, st.k_all)])
         for li, st in enumerate(self.layers):
             head_eigs = {}
             for side, acc, n_heads in (("query", st.q_all, st.n_q_heads), ("key", st.k_all, st.n_k_heads)):

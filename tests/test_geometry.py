@@ -227,3 +227,14 @@ def test_batched_eigvalsh_split_over_threads_gives_the_same_values():
         torch.set_num_threads(before)
     assert torch.equal(one, split)  # each matrix solved with one LAPACK thread either way
     assert torch.allclose(one, torch.linalg.eigvalsh(mats), rtol=1e-12, atol=1e-12)
+
+
+def test_solve_together_fills_the_same_eigenvalues_as_one_by_one():
+    g = torch.Generator().manual_seed(1)
+    accs = [G.CovarianceAccumulator() for _ in range(5)]
+    for i, acc in enumerate(accs):
+        acc.update(torch.randn(64, 8 if i < 3 else 5, generator=g, dtype=torch.float64))
+    ref = [torch.linalg.eigvalsh(acc.covariance()).flip(-1).clamp_min(0) for acc in accs]
+    G.solve_together(accs)
+    for acc, r in zip(accs, ref, strict=True):
+        assert acc._eig is not None and torch.allclose(acc.eigenvalues(), r, rtol=1e-12, atol=1e-14)
