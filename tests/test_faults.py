@@ -35,6 +35,13 @@ def cli(*args: str, env: dict | None = None, **kw) -> subprocess.CompletedProces
     )
 
 
+def _sigint_default() -> None:
+    # a job started in the background by a non-interactive shell inherits SIGINT ignored (POSIX),
+    # and Python then never raises KeyboardInterrupt; give the child a terminal's Ctrl-C however
+    # the test run itself was launched
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start(*args: str, env: dict | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "qkgeom.cli", *args],
@@ -43,6 +50,7 @@ def start(*args: str, env: dict | None = None) -> subprocess.Popen:
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        preexec_fn=_sigint_default,
     )
 
 
