@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from qkgeom.config import InterventionConfig
-from qkgeom.geometry import participation_ratio
+from qkgeom.geometry import participation_ratio, triangular_factor
 
 Tensor = torch.Tensor
 # the probe metric each control acts on (a per-head row in geometry.parquet)
@@ -100,17 +100,6 @@ def set_key_spectrum(w_k: Tensor, s: Tensor, v: Tensor, s_new: Tensor) -> Tensor
     return w_k @ (v * ratio.unsqueeze(-2)) @ v.transpose(-1, -2)
 
 
-def _orthogonal_factor(w: Tensor) -> tuple[Tensor | None, Tensor]:
-    """W = U R with U (h, D, E) orthonormal columns and R (h, E, E) upper triangular. R comes from the
-    Cholesky factor of the E x E Gram matrix (U is then never formed: None) when every head is well
-    conditioned (cond(R) < 1e6, so the Gram's 1e12 leaves float64 ~4 safe digits), else from QR."""
-    low, info = torch.linalg.cholesky_ex(w.transpose(-1, -2) @ w)
-    diag = low.diagonal(dim1=-2, dim2=-1)
-    if bool((info == 0).all()) and bool((diag.amin(-1) > 1e-6 * diag.amax(-1)).all()):
-        return None, low.transpose(-1, -2)
-    return torch.linalg.qr(w)
-
-
 def _update_factor(w: Tensor, u: Tensor | None, m: Tensor, r: Tensor) -> Tensor:
     """W + U M R for W = U R, without forming U when it is None: U = W R^-1."""
     if u is None:
@@ -120,9 +109,9 @@ def _update_factor(w: Tensor, u: Tensor | None, m: Tensor, r: Tensor) -> Tensor:
 
 def interaction_svd(w_q: Tensor, w_k: Tensor) -> tuple[Tensor, ...]:
     """W_Q W_K^T = (U_q A) diag(s) (U_k B)^T for heads (h, D, E), from the E x E product R_q R_k^T;
-    returns (s, A, B, U_q, R_q, U_k, R_k) (U None where not formed, see _orthogonal_factor)."""
-    u_q, r_q = _orthogonal_factor(w_q)
-    u_k, r_k = _orthogonal_factor(w_k)
+    returns (s, A, B, U_q, R_q, U_k, R_k) (U None where not formed, see geometry.triangular_factor)."""
+    u_q, r_q = triangular_factor(w_q)
+    u_k, r_k = triangular_factor(w_k)
     m = r_q @ r_k.transpose(-1, -2)
     # eigh of M^T M is ~2x faster than an SVD; its singular values carry a relative error of about
     # eps (s_max / s_i)^2, so it is used only while every s_i >= 1e-4 s_max (error <= 1e-8)
@@ -139,8 +128,8 @@ def set_interaction_spectrum(w_q: Tensor, w_k: Tensor, s_new: Tensor | None = No
     whose product has singular values s_new and the same singular vectors (split evenly, see the
     module docstring). Returns (s,) or (s, W_Q', W_K')."""
     if s_new is None:
-        u_q, r_q = _orthogonal_factor(w_q)
-        u_k, r_k = _orthogonal_factor(w_k)
+        u_q, r_q = triangular_factor(w_q)
+        u_k, r_k = triangular_factor(w_k)
         return (torch.linalg.svdvals(r_q @ r_k.transpose(-1, -2)),)
     svd = interaction_svd(w_q, w_k)
     return (svd[0], *_set_interaction(w_q, w_k, svd, s_new))

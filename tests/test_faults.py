@@ -4,6 +4,7 @@ checked against an uninterrupted run: a resumed or re-run result must be identic
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -220,13 +221,18 @@ def test_interrupted_sweep_stops_long_runs_at_once(tmp_path, sig):
     out = tmp_path / "s"
     proc = start_sweep_and_wait_for_a_checkpoint(sweep, out)
     workers = _children(proc.pid)
-    assert len(workers) == 2
-    tic = time.time()
-    proc.send_signal(sig)
-    _, err = proc.communicate(timeout=60)
-    assert time.time() - tic < 20, f"the sweep took {time.time() - tic:.0f} s to stop"
-    assert proc.returncode == 130 and err.strip().count("\n") == 0 and "interrupted" in err, err
-    assert not _alive(workers) and not list(out.glob("*/done.json"))
+    try:
+        assert len(workers) == 2
+        tic = time.time()
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+        assert time.time() - tic < 20, f"the sweep took {time.time() - tic:.0f} s to stop"
+        assert proc.returncode == 130 and err.strip().count("\n") == 0 and "interrupted" in err, err
+        assert not _alive(workers) and not list(out.glob("*/done.json"))
+    finally:  # a failure must not leave million-step runs behind on the machine
+        for pid in [proc.pid, *_alive(workers)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_worker_killed_like_the_oom_killer_is_retried(tmp_path):
