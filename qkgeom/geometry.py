@@ -163,15 +163,16 @@ def spectrum_summary(eigs: Tensor) -> dict[str, Tensor]:
 def solve_together(accs: list[CovarianceAccumulator]) -> None:
     """Fill the eigenvalue caches of many accumulators with one batched solve per matrix size (a
     30-layer model's layer covariances: one call that `batched_eigvalsh` can split over threads,
-    instead of 30 single solves on one core). Same values as each `eigenvalues()` call."""
-    groups: dict[tuple[int, ...], list[CovarianceAccumulator]] = {}
+    instead of 30 single solves on one core); `eigenvalues()` is this for one accumulator."""
+    groups: dict[tuple[int, ...], list[tuple[CovarianceAccumulator, Tensor]]] = {}
     for acc in accs:
-        if acc._eig is None and acc.m2 is not None:
-            groups.setdefault(tuple(acc.m2.shape), []).append(acc)
+        if acc._eig is None:
+            cov = acc.covariance()  # raises for an accumulator that has seen no rows
+            groups.setdefault(tuple(cov.shape), []).append((acc, cov))
     for group in groups.values():
-        stacked = torch.stack([acc.covariance() for acc in group])
+        stacked = torch.stack([cov for _, cov in group])
         ev = robust_eigvalsh(stacked, what="covariance eigenvalues").flip(-1).clamp_min(0)
-        for acc, e in zip(group, ev, strict=True):
+        for (acc, _), e in zip(group, ev, strict=True):
             acc._eig = e
 
 
@@ -243,7 +244,7 @@ class CovarianceAccumulator:
     def eigenvalues(self) -> Tensor:
         """Descending eigenvalues, clipped at 0 (round-off), (..., d); cached until the next update."""
         if self._eig is None:
-            self._eig = robust_eigvalsh(self.covariance(), what="covariance eigenvalues").flip(-1).clamp_min(0)
+            solve_together([self])
         return self._eig
 
     def block_eigenvalues(self, n_blocks: int) -> Tensor:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from qkgeom.config import InterventionConfig
-from qkgeom.geometry import participation_ratio, triangular_factor
+from qkgeom.geometry import interaction_singular_values, participation_ratio, singular_values, triangular_factor
 
 Tensor = torch.Tensor
 # the probe metric each control acts on (a per-head row in geometry.parquet)
@@ -128,9 +128,7 @@ def set_interaction_spectrum(w_q: Tensor, w_k: Tensor, s_new: Tensor | None = No
     whose product has singular values s_new and the same singular vectors (split evenly, see the
     module docstring). Returns (s,) or (s, W_Q', W_K')."""
     if s_new is None:
-        u_q, r_q = triangular_factor(w_q)
-        u_k, r_k = triangular_factor(w_k)
-        return (torch.linalg.svdvals(r_q @ r_k.transpose(-1, -2)),)
+        return (interaction_singular_values(w_q, w_k),)
     svd = interaction_svd(w_q, w_k)
     return (svd[0], *_set_interaction(w_q, w_k, svd, s_new))
 
@@ -234,8 +232,8 @@ class SpectrumControl:
     def spectrum(self, w_q: list[Tensor], w_k: list[Tensor], layer: int) -> Tensor:
         """Singular values (H, E) of the controlled object of every head of `layer`."""
         if self.cfg.on == "key":
-            return torch.linalg.svdvals(w_k[layer].detach().to(torch.float64))
-        return set_interaction_spectrum(w_q[layer].detach().double(), w_k[layer].detach().double())[0]
+            return singular_values(w_k[layer])
+        return interaction_singular_values(w_q[layer], w_k[layer])
 
     def target_prs(self, step: int) -> Tensor:
         """The PR (N,) each controlled head is steered to (hold: its initial PR), clipped to the feasible
