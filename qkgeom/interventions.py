@@ -89,8 +89,12 @@ def scheduled_target(pr0: Tensor | float, step: int, total_steps: int, ratio: fl
 
 def key_spectrum(w_k: Tensor) -> tuple[Tensor, Tensor]:
     """Singular values (descending) and right singular vectors of W_K heads (h, D, E), from the
-    E x E Gram matrix (float64): s (h, E), V (h, E, E)."""
-    ev, v = torch.linalg.eigh(w_k.transpose(-1, -2) @ w_k)  # ascending
+    E x E Gram matrix (float64): s (h, E), V (h, E, E); an SVD of W_K where that eigh fails."""
+    try:
+        ev, v = torch.linalg.eigh(w_k.transpose(-1, -2) @ w_k)  # ascending
+    except torch.linalg.LinAlgError:
+        _, s, vh = torch.linalg.svd(w_k, full_matrices=False)
+        return s, vh.transpose(-1, -2)
     return ev.flip(-1).clamp_min(0).sqrt(), v.flip(-1)
 
 
@@ -114,11 +118,15 @@ def interaction_svd(w_q: Tensor, w_k: Tensor) -> tuple[Tensor, ...]:
     u_k, r_k = triangular_factor(w_k)
     m = r_q @ r_k.transpose(-1, -2)
     # eigh of M^T M is ~2x faster than an SVD; its singular values carry a relative error of about
-    # eps (s_max / s_i)^2, so it is used only while every s_i >= 1e-4 s_max (error <= 1e-8)
-    ev, b = torch.linalg.eigh(m.transpose(-1, -2) @ m)
-    s, b = ev.flip(-1).clamp_min(0).sqrt(), b.flip(-1)
-    if bool((s[..., -1] >= 1e-4 * s[..., 0]).all()):
-        return s, (m @ b) / s.unsqueeze(-2), b, u_q, r_q, u_k, r_k
+    # eps (s_max / s_i)^2, so it is used only while every s_i >= 1e-4 s_max (error <= 1e-8), and
+    # the SVD is the route wherever eigh fails
+    try:
+        ev, b = torch.linalg.eigh(m.transpose(-1, -2) @ m)
+        s, b = ev.flip(-1).clamp_min(0).sqrt(), b.flip(-1)
+        if bool((s[..., -1] >= 1e-4 * s[..., 0]).all()):
+            return s, (m @ b) / s.unsqueeze(-2), b, u_q, r_q, u_k, r_k
+    except torch.linalg.LinAlgError:
+        pass
     a, s, bh = torch.linalg.svd(m)
     return s, a, bh.transpose(-1, -2), u_q, r_q, u_k, r_k
 

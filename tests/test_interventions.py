@@ -252,3 +252,26 @@ def test_restored_control_targets_its_initial_spectrum_not_the_resumed_weights()
     resumed.load_state_dict(ctl.state_dict())
     assert torch.equal(resumed.target_prs(3), want)
     assert not torch.allclose(I.SpectrumControl.create(cfg, w_q, w_k, 10).target_prs(3), want)
+
+
+def test_controls_fall_back_to_the_svd_where_eigh_fails(monkeypatch):
+    # LAPACK's eigh can fail on ill-conditioned input on some CPUs: the control must take the SVD
+    # route and give the same result, not stop training
+    w_q, w_k = _heads(8), _heads(9)
+    target = torch.full((4,), 2.0, dtype=torch.float64)
+    s_ref, q_ref, k_ref = I.set_interaction_spectrum(w_q[0], w_k[0], I.profiles_with_pr(
+        I.set_interaction_spectrum(w_q[0], w_k[0])[0], target))  # fmt: skip
+    sv_ref, v_ref = I.key_spectrum(w_k[0])
+
+    def broken(*args, **kwargs):
+        raise torch.linalg.LinAlgError("simulated eigh failure")
+
+    monkeypatch.setattr(torch.linalg, "eigh", broken)
+    s, q, k = I.set_interaction_spectrum(w_q[0], w_k[0], I.profiles_with_pr(s_ref, target))
+    assert torch.allclose(s, s_ref, rtol=1e-10) and torch.allclose(
+        q @ k.transpose(-1, -2), q_ref @ k_ref.transpose(-1, -2)
+    )
+    sv, v = I.key_spectrum(w_k[0])
+    assert torch.allclose(sv, sv_ref, rtol=1e-10)
+    assert torch.allclose((v @ v.transpose(-1, -2)), torch.eye(6, dtype=torch.float64).expand(4, 6, 6), atol=1e-12)
+    assert torch.allclose(I.set_key_spectrum(w_k[0], sv, v, sv), w_k[0], atol=1e-12)
