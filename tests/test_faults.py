@@ -123,21 +123,30 @@ def test_ctrl_c_one_line_then_resume(reference, tmp_path):
     assert_same_run(reference, out)
 
 
-def test_second_process_on_a_run_folder_is_refused(reference, tmp_path):
+def _folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+
+
+def test_second_process_on_a_run_folder_is_refused(tmp_path):
+    # No race: the holder is a run far too long to finish during the test (10^6 steps), and it is
+    # frozen with SIGSTOP while the second process tries, so the folder cannot change under it.
     out = tmp_path / "run"
-    proc = start(*TRAIN, "--out", str(out))
-    wait_for_step(out, 2, proc)
-    r = cli(*TRAIN, "--out", str(out), "--resume")
-    assert r.returncode == 2 and "in use by another qkgeom process" in r.stderr and r.stderr.count("\n") == 1
-    assert proc.wait(timeout=120) == 0
-    assert_same_run(reference, out)  # nothing duplicated, nothing corrupted
+    proc = start(*TRAIN, "--set", "train.steps=1000000", "--out", str(out))
+    try:
+        wait_for_step(out, 2, proc)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGSTOP)
+        before = _folder_bytes(out)
+        for extra in (["--resume"], []):  # resuming it, or starting afresh in it
+            r = cli(*TRAIN, "--set", "train.steps=1000000", "--out", str(out), *extra)
+            assert r.returncode == 2 and "in use by another qkgeom process" in r.stderr, r.stderr
+            assert f"pid {proc.pid}" in r.stderr and r.stderr.count("\n") == 1
+        assert _folder_bytes(out) == before  # the refused process wrote nothing
+    finally:
+        proc.kill()  # SIGKILL also ends a stopped process
+        proc.wait()
     # the lock dies with its holder: after a SIGKILL the folder is usable at once
-    out2 = tmp_path / "run2"
-    proc = start(*TRAIN, "--out", str(out2))
-    wait_for_step(out2, 15, proc)
-    proc.kill()
-    proc.wait()
-    with folder_lock(out2):
+    with folder_lock(out):
         pass
 
 
