@@ -10,6 +10,8 @@
 - sign_test:             two-sided binomial test of the count of positive signs (scipy.stats.binomtest).
 - probability_of_direction: share of the bootstrap distribution of the mean on the predicted side.
 - spearman:              rank correlation and p-value (scipy.stats.spearmanr).
+- mde:                   minimum detectable effect of a one-sample t-test at a power (noncentral t).
+- fieller_ratio_ci:      Fieller's CI of a ratio of two means over paired units (the IV estimate).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
+from scipy import optimize
 from scipy import stats as S
 
 
@@ -142,3 +145,56 @@ def spearman(x: np.ndarray, y: np.ndarray) -> tuple[float, float, int]:
         return math.nan, math.nan, int(ok.sum())
     r = S.spearmanr(x[ok], y[ok])
     return float(r.statistic), float(r.pvalue), int(ok.sum())
+
+
+def mde(values: np.ndarray, power: float = 0.8, level: float = 0.95) -> float:
+    """Minimum detectable effect: the smallest true mean that a two-sided one-sample t-test at
+    1 - `level` detects with probability `power`, given n and the observed SD of `values`.
+
+    Solves P(|T| > t_crit) = power for T ~ noncentral t(n - 1, delta * sqrt(n)) and returns
+    delta * sd (the units of `values`). Smaller is better; an inconclusive verdict rules out true
+    effects larger than this (at that power). NaN below n = 2.
+    """
+    v = np.asarray(values, float)
+    v = v[np.isfinite(v)]
+    n = len(v)
+    if n < 2:
+        return math.nan
+    sd = float(v.std(ddof=1))
+    crit = S.t.ppf((1 + level) / 2, n - 1)
+
+    def shortfall(delta: float) -> float:
+        nc = delta * math.sqrt(n)
+        lower = np.nan_to_num(S.nct.cdf(-crit, n - 1, nc))  # the far tail (< 1 - level); NaN at large nc
+        return float(S.nct.sf(crit, n - 1, nc) + lower) - power
+
+    delta = optimize.brentq(shortfall, 0.0, 4 * (crit + 1) / math.sqrt(n))  # power(upper) ~ 1
+    return delta * sd
+
+
+def fieller_ratio_ci(num: np.ndarray, den: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
+    """(ratio, low, high) for mean(num) / mean(den) over paired independent units (seeds).
+
+    Fieller's interval: the set of r with |mean(num) - r mean(den)| <= t * se(num - r den), exact
+    for normal data, and unbounded ((-inf, inf)) when the denominator's own t-interval covers 0,
+    i.e. when the first stage is too weak to say anything about the ratio. Returned as a bounded
+    interval only; a disjoint two-piece set (weak but significant-looking denominator) is also
+    reported as (-inf, inf).
+    """
+    a, b = np.asarray(num, float), np.asarray(den, float)
+    ok = np.isfinite(a) & np.isfinite(b)
+    a, b = a[ok], b[ok]
+    n = len(a)
+    if n < 3:
+        return math.nan, math.nan, math.nan
+    ma, mb = a.mean(), b.mean()
+    saa, sbb, sab = np.cov(a, b, ddof=1).ravel()[[0, 3, 1]] / n  # variances of the means
+    t2 = S.t.ppf((1 + level) / 2, n - 1) ** 2
+    ratio = ma / mb if mb != 0 else math.nan
+    # (mb^2 - t2 sbb) r^2 - 2 (ma mb - t2 sab) r + (ma^2 - t2 saa) <= 0
+    qa, qb, qc = mb**2 - t2 * sbb, -2 * (ma * mb - t2 * sab), ma**2 - t2 * saa
+    disc = qb**2 - 4 * qa * qc
+    if qa <= 0 or disc < 0:
+        return float(ratio), -math.inf, math.inf
+    root = math.sqrt(disc)
+    return float(ratio), float((-qb - root) / (2 * qa)), float((-qb + root) / (2 * qa))

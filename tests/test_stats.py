@@ -80,3 +80,28 @@ def test_transient_end_on_known_trajectories():
     # order of the probes does not matter
     perm = np.random.default_rng(0).permutation(len(steps))
     assert stats.transient_end(steps[perm], level[perm]) == 150
+
+
+def test_mde_has_its_power_by_simulation_and_the_normal_limit():
+    v = np.random.default_rng(1).normal(size=16)
+    v = (v - v.mean()) / v.std(ddof=1)  # sd exactly 1: the mde is in units of sd
+    d = stats.mde(v)
+    assert 0.6 < d < 0.9
+    # an independent check: simulated t-tests at a true mean of d reject with probability 0.80
+    rng = np.random.default_rng(2)
+    x = rng.normal(d, 1.0, size=(40000, 16))
+    t = x.mean(1) / (x.std(1, ddof=1) / 4)
+    assert np.mean(np.abs(t) > 2.131449545559323) == pytest.approx(0.80, abs=0.01)  # t_{15, 0.975}
+    big = np.random.default_rng(3).normal(size=2000)
+    big = (big - big.mean()) / big.std(ddof=1)
+    assert stats.mde(big) == pytest.approx((1.959964 + 0.841621) / np.sqrt(2000), rel=2e-3)  # z_.975 + z_.8
+    assert np.isnan(stats.mde([1.0]))
+
+
+def test_fieller_interval_reduces_to_t_interval_and_opens_on_a_weak_denominator():
+    a = np.array([1.0, 1.5, 0.7, 1.2, 0.9, 1.4])
+    r, lo, hi = stats.fieller_ratio_ci(a, np.full(6, 2.0))  # an exact denominator: the t-interval / 2
+    tlo, thi = stats.t_mean_ci(a)
+    assert (r, lo, hi) == pytest.approx((a.mean() / 2, tlo / 2, thi / 2))
+    r, lo, hi = stats.fieller_ratio_ci(a, np.array([0.1, -0.2, 0.3, -0.1, 0.05, -0.1]))  # covers 0
+    assert (lo, hi) == (-np.inf, np.inf)
