@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import pandas as pd
 
-__version__ = "0.1.0"
+try:
+    __version__ = importlib.metadata.version("qkgeom")
+except importlib.metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "unknown"
 
 
 def load_runs(path: str | Path) -> pd.DataFrame:

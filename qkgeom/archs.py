@@ -12,11 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from qkgeom.errors import QKGeomError
+
 if TYPE_CHECKING:
     from torch import Tensor, nn
 
 
-class PretrainedError(ValueError):
+class PretrainedError(QKGeomError, ValueError):
     """A model, revision or input that cannot be analysed; the message names it."""
 
 
@@ -201,3 +203,17 @@ def check_model_type(name: str, revision: str | None = None) -> None:
             raise PretrainedError(
                 f"unsupported model type {mt!r}; supported: {', '.join(sorted(ARCHS))}; {ADD_ARCH_HINT}"
             )
+
+
+# Where a metric exists at several sites, the one that describes what the model computes: for
+# q/k-norm models the weight metrics with the norm gains folded in (`norm_folded`), for rotary
+# models the q/k that enter the scores (`post_rotary`).
+SITE_PREFERENCE = ("norm_folded", "post_rotary", "none", "pre_rotary")
+
+
+def one_site(rows):
+    """The rows (a DataFrame of one metric) at one site, by SITE_PREFERENCE, so (layer, head) is unique."""
+    for site in SITE_PREFERENCE:
+        if (rows["site"] == site).any():
+            return rows[rows["site"] == site]
+    return rows[rows["site"] == rows["site"].iloc[0]] if len(rows) else rows

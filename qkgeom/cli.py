@@ -192,6 +192,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version("qkgeom")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="qkgeom",
@@ -199,6 +208,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=EXAMPLES,
     )
+    parser.add_argument("--version", action="version", version=f"qkgeom {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser(
@@ -307,37 +317,50 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Exit codes: 0 done, 2 bad input or a refused operation (one line on stderr,
+    QKGeomError or an OS error such as a full disk), 130 interrupted, 1 a bug in qkgeom (traceback)."""
+    import os
     import signal
+    import traceback
+
+    from qkgeom.errors import QKGeomError
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `qkgeom sweep smoke --dry-run | head` ends quietly
     args = build_parser().parse_args(argv)
+    debug = os.environ.get("QKGEOM_DEBUG", "") not in ("", "0")
     try:
         return args.fn(args)
     except KeyboardInterrupt:
-        print(f"qkgeom {args.command}: interrupted (finished files are kept; use --resume)", file=sys.stderr)
+        print(f"qkgeom {args.command}: interrupted (finished files are kept; {_resume_hint(args)})", file=sys.stderr)
         return 130
     except OSError as e:  # unwritable or full disk, --out on a file, ...: finished files are kept
+        if debug:
+            traceback.print_exc()
         where = f": {e.filename}" if e.filename else ""
         print(
-            f"qkgeom {args.command}: error: {e.strerror or e}{where} (finished files are kept; fix it, then --resume)",
+            f"qkgeom {args.command}: error: {e.strerror or e}{where} (finished files are kept; fix it, then "
+            f"{_resume_hint(args, 'run the command again')})",
             file=sys.stderr,
         )
         return 2
-    except Exception as e:
-        if isinstance(e, ValueError) or isinstance(e, _expected_errors()):  # ValueError first: no import needed
-            print(f"qkgeom {args.command}: error: {e}", file=sys.stderr)
-            return 2
-        raise
+    except QKGeomError as e:
+        if debug:
+            traceback.print_exc()
+        print(f"qkgeom {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except Exception:
+        traceback.print_exc()
+        print(
+            f"qkgeom {args.command}: this is a bug in qkgeom, not in your input; please report it with the "
+            "traceback above",
+            file=sys.stderr,
+        )
+        return 1
 
 
-def _expected_errors() -> tuple[type[Exception], ...]:
-    """Errors that mean bad input or a refused operation (one line, exit 2), not a bug. Imported
-    here, not at start-up, so that a command failing early never pays for torch's import."""
-    from qkgeom.data import DataError
-    from qkgeom.results import CheckpointError, FolderLockedError
-    from qkgeom.train import TrainingError
-
-    return (CheckpointError, DataError, FolderLockedError, TrainingError)
+def _resume_hint(args: argparse.Namespace, otherwise: str = "run the same command again") -> str:
+    """`use --resume` only for the commands that have it; sweeps and studies skip finished runs."""
+    return "use --resume" if hasattr(args, "resume") else otherwise
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qkgeom.errors import QKGeomError
+
 QK_INITS = ("independent", "orthogonal", "tied", "anti_tied")
 INTERVENTIONS = ("none", "hold", "contract", "expand")
 CONTROL_TARGETS = ("key", "interaction")
@@ -30,7 +32,7 @@ REPLACED = {
 TOKENIZERS = ("char", "byte")
 
 
-class ConfigError(ValueError):
+class ConfigError(QKGeomError, ValueError):
     """A configuration that cannot be used; the message names the offending key/value."""
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from qkgeom.config import DataConfig
+from qkgeom.errors import QKGeomError
 
 SPLITS = ("train", "valid", "test")
 CHUNK_CHARS = 1 << 24  # encode 16M characters at a time: bounded memory on any corpus
@@ -38,7 +39,7 @@ WIKITEXT = {
 }
 
 
-class DataError(RuntimeError):
+class DataError(QKGeomError, RuntimeError):
     """A corpus that cannot be found, downloaded or read; the message says what to do."""
 
 

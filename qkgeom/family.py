@@ -19,8 +19,8 @@ import numpy as np
 import pandas as pd
 import torch
 
+from qkgeom import archs, stats
 from qkgeom import config as C
-from qkgeom import stats
 from qkgeom.results import RunDir, provenance, read_json, write_json
 
 PYTHIA_TOKENS_PER_STEP = 2_097_152  # 1024 sequences x 2048 tokens
@@ -237,8 +237,8 @@ def family_trends(geometry: pd.DataFrame, early_max_step: int = 1000) -> pd.Data
             )
     heads = geometry[geometry["head"] >= 0]  # every revision, step-less ones (a single model) included
     for rev, x in heads.groupby("revision"):
-        ir = x[x["metric"] == "interaction_rank"].set_index(["layer", "head"])["value"]
-        en = x[(x["metric"] == "attention_entropy") & (x["site"] == site)].set_index(["layer", "head"])["value"]
+        ir = archs.one_site(x[x["metric"] == "interaction_rank"]).set_index(["layer", "head"])["value"]
+        en = archs.one_site(x[x["metric"] == "attention_entropy"]).set_index(["layer", "head"])["value"]
         both = pd.concat([ir, en], axis=1, join="inner").dropna()
         rho, p, n = (
             stats.spearman(both.iloc[:, 0].to_numpy(), both.iloc[:, 1].to_numpy()) if len(both) else (np.nan, np.nan, 0)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import importlib.metadata
 import io
 import json
 import os
@@ -33,15 +34,16 @@ import pandas as pd
 import torch
 
 from qkgeom.data import atomic_write_bytes
+from qkgeom.errors import QKGeomError
 
 GEOMETRY_COLUMNS = ["step", "tokens_seen", "layer", "head", "site", "metric", "value"]
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(QKGeomError, RuntimeError):
     """A checkpoint that is missing, truncated or corrupt."""
 
 
-class FolderLockedError(RuntimeError):
+class FolderLockedError(QKGeomError, RuntimeError):
     """Another live process holds the folder (a run or a sweep)."""
 
 
@@ -88,6 +90,15 @@ def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
 
 
+def package_version() -> str:
+    """qkgeom's installed version, from the package metadata (importing the package itself from here
+    would run an import arrow back up: results -> qkgeom/__init__ -> analysis -> results)."""
+    try:
+        return importlib.metadata.version("qkgeom")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
 def provenance() -> dict[str, Any]:
     """Where and with what a result was made: git sha, package versions, machine."""
     root = Path(__file__).resolve().parent.parent
@@ -102,12 +113,11 @@ def provenance() -> dict[str, Any]:
         )
     except (OSError, subprocess.SubprocessError):
         sha, dirty = "", False
-    import qkgeom
 
     return {
         "git_sha": sha or None,
         "git_dirty": dirty,
-        "qkgeom": qkgeom.__version__,
+        "qkgeom": package_version(),
         "torch": torch.__version__,
         "numpy": np.__version__,
         "python": platform.python_version(),

@@ -27,11 +27,12 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from qkgeom import config as C
+from qkgeom.errors import QKGeomError
 from qkgeom.executor import Job, JobLost, run_jobs
 from qkgeom.results import SWEEP_MANIFEST, RunDir, folder_lock, write_json
 
 
-class SweepError(ValueError):
+class SweepError(QKGeomError, ValueError):
     """A sweep file or grid that cannot be expanded."""
 
 

@@ -23,13 +23,14 @@ from tqdm.auto import tqdm
 from qkgeom import config as C
 from qkgeom import interventions as I
 from qkgeom.data import Vocab, atomic_write_bytes, batch_offsets, fixed_offsets, gather, load_corpus
+from qkgeom.errors import QKGeomError
 from qkgeom.geometry import NumericalWarning
 from qkgeom.model import GPT
 from qkgeom.probe import gpt_weights, probe_gpt
 from qkgeom.results import RunDir, folder_lock, provenance, read_json, write_json
 
 
-class TrainingError(RuntimeError):
+class TrainingError(QKGeomError, RuntimeError):
     """Training cannot go on (a NaN loss, a run folder that is not resumable, ...)."""
 
 

@@ -9,12 +9,13 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qkgeom"
 LAYERS = [
-    {"config", "geometry", "stats", "archs", "hooks", "plots", "executor"},  # pure maths, tables, plumbing
-    {"data", "interventions", "model"},
+    {"errors"},  # the project's error class: everything may raise it
+    {"config", "geometry", "stats", "archs", "hooks", "executor"},  # pure maths, tables, plumbing
+    {"data", "interventions", "model", "plots"},
     {"results", "probe"},
     {"pretrained", "train"},
-    {"analysis"},
-    {"sweep", "family"},
+    {"analysis", "context"},
+    {"sweep", "family", "causal"},
     {"report"},
     {"cli", "__init__"},
 ]
@@ -28,6 +29,7 @@ def imports_of(path: Path) -> set[str]:
             deps |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
         elif isinstance(node, ast.Import):
             deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("qkgeom.")}
+            deps |= {"__init__" for a in node.names if a.name == "qkgeom"}  # a bare `import qkgeom`
     return deps - {path.stem}
 
 
@@ -46,3 +48,9 @@ def test_imports_only_point_down():
         if level[d] >= level[p.stem]
     ]
     assert not upward, "\n".join(upward)
+
+
+def test_a_bare_import_of_the_package_counts(tmp_path):
+    mod = tmp_path / "results.py"
+    mod.write_text("def f():\n    import qkgeom\n    return qkgeom.__version__\n")
+    assert imports_of(mod) == {"__init__"}
