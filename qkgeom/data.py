@@ -27,6 +27,7 @@ import numpy as np
 
 from qkgeom.config import DataConfig
 from qkgeom.errors import QKGeomError
+from qkgeom.results import atomic_write_bytes
 
 SPLITS = ("train", "valid", "test")
 CHUNK_CHARS = 1 << 24  # encode 16M characters at a time: bounded memory on any corpus
@@ -55,33 +56,6 @@ def wikitext_mirror() -> Path:
 
 def cache_dir() -> Path:
     return Path(os.environ.get("QKGEOM_CACHE", Path.home() / ".cache" / "qkgeom"))
-
-
-# Fault injection for tests/test_faults.py: "NAME:N" SIGKILLs this process half-way through the
-# N-th atomic write of a file called NAME (e.g. "last.pt:2", "geometry.parquet:3").
-KILL_DURING_WRITE = "QKGEOM_KILL_DURING_WRITE"
-_writes: dict[str, int] = {}
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file in the same folder + rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if os.environ.get(KILL_DURING_WRITE):
-                name, _, nth = os.environ[KILL_DURING_WRITE].partition(":")
-                _writes[path.name] = _writes.get(path.name, 0) + 1
-                if path.name == name and _writes[path.name] == int(nth):
-                    f.write(data[: len(data) // 2])
-                    f.flush()
-                    os.kill(os.getpid(), 9)  # SIGKILL: no handler, no cleanup, like the OOM killer
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def file_digest(path: Path, algo: str = "sha256") -> str:

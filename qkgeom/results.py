@@ -25,6 +25,7 @@ import os
 import platform
 import socket
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from qkgeom.data import atomic_write_bytes
 from qkgeom.errors import QKGeomError
 
 GEOMETRY_COLUMNS = ["step", "tokens_seen", "layer", "head", "site", "metric", "value"]
@@ -82,12 +82,45 @@ def folder_lock(folder: Path) -> Iterator[None]:
         f.close()
 
 
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via a temp file in the same folder + rename: readers never see half a file. Every file
+    qkgeom writes goes through here (tests/faultchild.py kills a process half-way through it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_json(path: Path, obj: Any) -> None:
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 
 def read_json(path: Path) -> Any:
     return json.loads(Path(path).read_text())
+
+
+def is_pretrained_output(path: str | Path) -> bool:
+    """A `qkgeom pretrained` output folder: one sub-folder per revision, each config.json naming its
+    model and revision (our training runs' config.json have neither)."""
+    p = Path(path)
+    if not p.is_dir():
+        return False
+    for d in [p, *(x for x in p.iterdir() if x.is_dir())]:
+        cfg = d / "config.json"
+        if cfg.is_file():
+            try:
+                info = json.loads(cfg.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(info, dict) and "revision" in info and "model" in info:
+                return True
+    return False
 
 
 def package_version() -> str:
@@ -162,6 +195,9 @@ class RunDir:
             return str(read_json(self.error)["error"])
         except (OSError, ValueError, KeyError, TypeError):
             return "its error.json is unreadable"
+
+    def write_vocab(self, vocab_json: str) -> None:
+        atomic_write_bytes(self.vocab, vocab_json.encode())
 
     # metrics.jsonl -------------------------------------------------------------------------
     def append_metrics(self, row: dict[str, Any]) -> None:

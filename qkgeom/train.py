@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from qkgeom import config as C
 from qkgeom import interventions as I
-from qkgeom.data import Vocab, atomic_write_bytes, batch_offsets, fixed_offsets, gather, load_corpus
+from qkgeom.data import Vocab, batch_offsets, fixed_offsets, gather, load_corpus
 from qkgeom.errors import QKGeomError
 from qkgeom.geometry import NumericalWarning
 from qkgeom.model import GPT
@@ -251,7 +251,7 @@ class _Run:
         rd.path.mkdir(parents=True, exist_ok=True)
         rd.metrics.unlink(missing_ok=True)
         # vocab first: a folder with config.json always has its vocabulary
-        atomic_write_bytes(rd.vocab, corpus.vocab.to_json().encode())
+        rd.write_vocab(corpus.vocab.to_json())
         write_json(
             rd.config,
             {

@@ -55,6 +55,18 @@ def start(*args: str, env: dict | None = None) -> subprocess.Popen:
     )
 
 
+def start_with_fault(spec: str, *args: str) -> subprocess.Popen:
+    """The CLI in a child that injects a fault at an exact point (tests/faultchild.py): no race."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.faultchild", spec, "--", *args],
+        cwd=REPO,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_sigint_default,
+    )
+
+
 def wait_for_step(out: Path, step: int, proc: subprocess.Popen, timeout: float = 120) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline and proc.poll() is None:
@@ -96,16 +108,10 @@ def reference(tmp_path_factory) -> Path:
 )
 def test_sigkill_then_resume_equals_uninterrupted(reference, tmp_path, point):
     out = tmp_path / "run"
-    env = dict(os.environ)
-    if point.startswith("write:"):
-        env["QKGEOM_KILL_DURING_WRITE"] = point.removeprefix("write:")
-        proc = start(*TRAIN, "--out", str(out), env=env)
-        assert proc.wait(timeout=120) == -signal.SIGKILL
-    else:
-        proc = start(*TRAIN, "--out", str(out))
-        wait_for_step(out, int(point.split(":")[1]), proc)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kind, at = point.split(":", 1)
+    spec = f"write:{at}" if kind == "write" else f"step:{at}:KILL"
+    proc = start_with_fault(spec, *TRAIN, "--out", str(out))
+    assert proc.wait(timeout=120) == -signal.SIGKILL  # killed exactly there, never after the run ended
     assert not (out / "done.json").exists()
     r = cli(*TRAIN, "--out", str(out), "--resume") if (out / "config.json").exists() else cli(*TRAIN, "--out", str(out))
     assert r.returncode == 0, r.stderr
@@ -114,11 +120,10 @@ def test_sigkill_then_resume_equals_uninterrupted(reference, tmp_path, point):
 
 def test_ctrl_c_one_line_then_resume(reference, tmp_path):
     out = tmp_path / "run"
-    proc = start(*TRAIN, "--out", str(out))
-    wait_for_step(out, 25, proc)
-    proc.send_signal(signal.SIGINT)
+    proc = start_with_fault("step:25:INT", *TRAIN, "--out", str(out))
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130 and err.strip().count("\n") == 0 and "interrupted" in err, err
+    assert "use --resume" in err  # train has --resume
     assert cli(*TRAIN, "--out", str(out), "--resume").returncode == 0
     assert_same_run(reference, out)
 
@@ -258,19 +263,24 @@ def test_a_worker_killed_like_the_oom_killer_is_retried(tmp_path):
 
 
 def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
-    sweep = tmp_path / "f.toml"
-    sweep.write_text(SWEEP)
+    # no race: the first sweep's runs are far longer than the test; it is stopped afterwards
+    sweep = tmp_path / "long.toml"
+    sweep.write_text(SWEEP.replace('"train.steps" = 40', '"train.steps" = 1000000'))
     out = tmp_path / "s"
-    proc = start("sweep", str(sweep), "--out", str(out), "--workers", "1", "--no-progress")
-    deadline = time.time() + 60
-    while time.time() < deadline and not (out / ".lock").exists():
-        time.sleep(0.01)
-    time.sleep(0.5)
-    r = cli("sweep", str(sweep), "--out", str(out), "--workers", "1", "--no-progress")
-    assert r.returncode == 2 and "in use by another qkgeom process" in r.stderr and r.stderr.count("\n") == 1
-    assert proc.wait(timeout=300) == 0
+    proc = start_sweep_and_wait_for_a_checkpoint(sweep, out)
+    workers = _children(proc.pid)
+    try:
+        assert proc.poll() is None
+        r = cli("sweep", str(sweep), "--out", str(out), "--workers", "1", "--no-progress")
+        assert r.returncode == 2 and "in use by another qkgeom process" in r.stderr and r.stderr.count("\n") == 1
+        assert f"pid {proc.pid}" in r.stderr
+    finally:
+        for pid in [proc.pid, *_alive(workers)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    proc.wait()
     for metrics in out.glob("*/metrics.jsonl"):  # no run trained twice
-        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
         assert len(rows) == len({(r["step"], r["split"]) for r in rows})
 
 

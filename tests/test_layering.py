@@ -10,9 +10,9 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "qkgeom"
 LAYERS = [
     {"errors"},  # the project's error class: everything may raise it
-    {"config", "geometry", "stats", "archs", "hooks", "executor"},  # pure maths, tables, plumbing
+    {"config", "geometry", "stats", "archs", "hooks", "executor", "results"},  # maths, tables, plumbing, the disk
     {"data", "interventions", "model", "plots"},
-    {"results", "probe"},
+    {"probe"},
     {"pretrained", "train"},
     {"analysis", "context"},
     {"sweep", "family", "causal"},
