@@ -18,12 +18,13 @@ import numpy as np
 import pandas as pd
 
 from qkgeom import stats
-from qkgeom.results import RunDir, read_json
+from qkgeom.errors import QKGeomError
+from qkgeom.results import RunDir, is_pretrained_output, read_json
 
 RUN_COLUMNS = ["run_id", "n_layers", "qk_init", "seed", "data_seed", "intervention", "steps", "warmup_steps"]
 CLAIM_COLUMNS = [
     "study", "claim", "predicted", "group", "window", "value", "ci_low", "ci_high", "n", "seeds_agreeing",
-    "interval", "p_value", "verdict", "window_start", "detail",
+    "interval", "p_value", "verdict", "mde_80", "window_start", "detail",
 ]  # fmt: skip
 # Unchanged by W_Q -> W_Q M, W_K -> W_K M^{-T}: attention, scores, W_Q W_K^T and losses. PR_Q, PR_K are not.
 GAUGE_INVARIANT_METRICS = ("attention_entropy", "logit_", "interaction_", "loss")
@@ -32,7 +33,7 @@ TRANSIENT_TOLERANCE = 0.1  # stats.transient_end: the rebound has settled when a
 SENSITIVITY_STARTS = (0.0, 0.1, 0.2, 1 / 3, 0.5)  # fixed window starts (fraction of training) for the sensitivity table
 
 
-class AnalysisError(ValueError):
+class AnalysisError(QKGeomError, ValueError):
     """Nothing (valid) to analyse."""
 
 
@@ -92,6 +93,11 @@ def _load(path: str | Path, reader) -> pd.DataFrame:
             df[k] = v
         frames.append(df)
     if not frames:
+        if is_pretrained_output(path):
+            raise AnalysisError(
+                f"{path} holds `qkgeom pretrained` results, not training runs: render them with "
+                f"`qkgeom report {path}`, or read them with qkgeom.family.load_family"
+            )
         raise AnalysisError(f"no finished runs under {path}")
     return pd.concat(frames, ignore_index=True)
 
@@ -187,12 +193,30 @@ def gauge_invariant(claim: str) -> bool:
 
 def _finish(rows: list[dict]) -> pd.DataFrame:
     out = pd.DataFrame(rows, columns=CLAIM_COLUMNS)
+    out["mde_80"] = pd.to_numeric(out["mde_80"], errors="coerce")  # rows without a verdict have none
     out["gauge_invariant"] = out["claim"].map(gauge_invariant)
     return out
 
 
+# Layer-resolved claims by relative depth (MISSION.md, "Layer resolution"): at cpu scale first-layer
+# keys shrink in every run and last-layer keys rarely, so a pooled slope averages opposite effects.
+LAYER_BANDS = {
+    "layers: first": lambda layer, n: layer == 0,
+    "layers: lower half": lambda layer, n: layer < n / 2,
+    "layers: upper half": lambda layer, n: layer >= n / 2,
+    "layers: last": lambda layer, n: layer == n - 1,
+    "layers: all but the first": lambda layer, n: layer > 0,
+}
+
+
+def layer_band(df: pd.DataFrame, band: str) -> pd.DataFrame:
+    """Rows of df whose layer lies in a relative-depth band (LAYER_BANDS) of its own run's depth."""
+    return df[LAYER_BANDS[band](df["layer"], df["n_layers"])]
+
+
 def _groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     out = [("all", df)]
+    out += [(band, layer_band(df, band)) for band in LAYER_BANDS]
     out += [(f"depth={d}", g) for d, g in df.groupby("n_layers")]
     out += [(f"init={i}", g) for i, g in df.groupby("qk_init")]
     return out
@@ -211,12 +235,17 @@ SLOPE_CLAIMS = (
     ("key_participation_ratio", "PR_K shrinks: slope of PR_K vs training progress", -1),
     ("participation_ratio_contrast", "PR_Q - PR_K grows: slope of the contrast vs training progress", +1),
 )
+# "X tracks Y" is judged on co-movement: the Spearman correlation of the probe-to-probe changes
+# (first differences) within a run. The Spearman of the raw series measures shared trends (any two
+# monotone series correlate, and its sign flips with the window); it is kept, unjudged, beside it.
 CORRELATION_CLAIMS = (
-    ("key_participation_ratio", "attention_entropy", "PR_K tracks attention entropy: Spearman over steps", +1),
-    ("key_participation_ratio", "interaction_rank", "PR_K tracks interaction rank: Spearman over steps", +1),
-    ("key_participation_ratio", "logit_participation_ratio", "PR_K tracks logit-spectrum PR: Spearman over steps", +1),
-    ("interaction_rank", "attention_entropy", "interaction rank tracks attention entropy: Spearman over steps", +1),
+    ("key_participation_ratio", "attention_entropy", "PR_K tracks attention entropy", +1),
+    ("key_participation_ratio", "interaction_rank", "PR_K tracks interaction rank", +1),
+    ("key_participation_ratio", "logit_participation_ratio", "PR_K tracks logit-spectrum PR", +1),
+    ("interaction_rank", "attention_entropy", "interaction rank tracks attention entropy", +1),
 )
+CO_MOVEMENT = ": Spearman of first differences over probe steps (co-movement)"
+RAW_TREND = ": Spearman over probe steps (raw trend, for comparison; not judged)"
 CONTRAST_CLAIM = "PR_Q - PR_K > 0 at every probe of the window (share of layer trajectories)"
 CONTRAST_HOLDS, CONTRAST_FAILS = 0.9, 0.5  # share of trajectories; see docs/GLOSSARY.md, "Verdicts"
 
@@ -234,15 +263,20 @@ def per_run_statistics(w: pd.DataFrame) -> pd.DataFrame:
         for metric, _, _ in SLOPE_CLAIMS:
             row[f"slope:{metric}"] = stats.slope(prog, g[metric]) if metric in g else np.nan
         for x, y, _, _ in CORRELATION_CLAIMS:
-            row[f"rho:{x}:{y}"] = stats.spearman(g[x], g[y])[0] if x in g and y in g else np.nan
+            both = x in g and y in g
+            row[f"rho:{x}:{y}"] = stats.spearman(np.diff(g[x]), np.diff(g[y]))[0] if both else np.nan
+            row[f"raw:{x}:{y}"] = stats.spearman(g[x], g[y])[0] if both else np.nan
         c = g.get("participation_ratio_contrast")
         row["contrast_mean"] = float(c.mean()) if c is not None else np.nan
         out.append(row)
     return pd.DataFrame(out)
 
 
-def _seed_rows(per_run: pd.DataFrame, column: str, claim: str, sign: int, group: str, win: str, note: str) -> dict:
-    """Mean over layers and runs per seed, then the mean with a t-interval over seeds and a verdict."""
+def _seed_rows(
+    per_run: pd.DataFrame, column: str, claim: str, sign: int, group: str, win: str, note: str, judged: bool = True
+) -> dict:
+    """Mean over layers and runs per seed, then the mean with a t-interval over seeds, mde_80 and a
+    verdict (none if not `judged`)."""
     per_seed = per_run.groupby("seed")[column].mean().dropna()
     v = per_seed.to_numpy()
     lo, hi = stats.t_mean_ci(v)
@@ -262,7 +296,8 @@ def _seed_rows(per_run: pd.DataFrame, column: str, claim: str, sign: int, group:
         seeds_agreeing=f"{agree}/{len(v)}",
         interval="95% t over seeds",
         window_start=note,
-        verdict=stats.verdict(lo, hi, sign),
+        verdict=stats.verdict(lo, hi, sign) if judged else "",
+        mde_80=stats.mde(v),
     )
 
 
@@ -320,13 +355,39 @@ def claims_main(df: pd.DataFrame, windows: tuple[str, ...] = WINDOWS, groups: bo
             for metric, claim, sign in SLOPE_CLAIMS:
                 rows.append(_seed_rows(per_run, f"slope:{metric}", claim, sign, group, win, note))
             for x, y, claim, sign in CORRELATION_CLAIMS:
-                rows.append(_seed_rows(per_run, f"rho:{x}:{y}", claim, sign, group, win, note))
+                rows.append(_seed_rows(per_run, f"rho:{x}:{y}", claim + CO_MOVEMENT, sign, group, win, note))
+                raw = _seed_rows(per_run, f"raw:{x}:{y}", claim + RAW_TREND, sign, group, win, note, judged=False)
+                rows.append(raw)
     return _finish(rows)
 
 
+PAPER_CONTRAST_CLAIM = "PR_Q - PR_K > 0 at every probe of the seed-averaged trajectory (paper's form; share)"
+
+
+def _paper_contrast_row(w: pd.DataFrame, win: str, note: str) -> dict:
+    """The contrast claim in the paper's own form: average each layer trajectory over seeds first,
+    then the share of those trajectories positive at every probe of the window. No seed interval:
+    the seeds are averaged away, so the verdict is the share rule alone."""
+    contrast = layer_metric(w, "participation_ratio_contrast")
+    seed_mean = contrast.groupby(["qk_init", "n_layers", "layer", "step"])["value"].mean()
+    positive = seed_mean.groupby(["qk_init", "n_layers", "layer"]).min() > 0
+    share = float(positive.mean()) if len(positive) else np.nan
+    verdict = "holds" if share >= CONTRAST_HOLDS else "fails" if share < CONTRAST_FAILS else "inconclusive"
+    return _row(
+        "main", PAPER_CONTRAST_CLAIM, "all", win, share, n=len(positive), predicted="all > 0", verdict=verdict,
+        seeds_agreeing=f"{int(positive.sum())}/{len(positive)} trajectories", interval="none (seed means)",
+        window_start=note, detail=f"over {contrast['seed'].nunique()} seeds",
+    )  # fmt: skip
+
+
 def sensitivity(df: pd.DataFrame) -> pd.DataFrame:
-    """Every main claim (group `all`) at the detected window and at fixed window starts."""
-    return claims_main(df, ("post-transient", *(f"from {f:.2g}" for f in SENSITIVITY_STARTS)), groups=False)
+    """Every main claim (group `all`) at the detected window and at fixed window starts, and the
+    contrast claim in the paper's seed-averaged form at each of them."""
+    wins = ("post-transient", *(f"from {f:.2g}" for f in SENSITIVITY_STARTS))
+    out = claims_main(df, wins, groups=False)
+    df = with_transient(df)
+    extra = [_paper_contrast_row(window(df, w), w, window_note(window(df, w), w)) for w in wins if len(window(df, w))]
+    return pd.concat([out, _finish(extra)], ignore_index=True)
 
 
 HORIZONS = (0.25, 0.5, 0.75, 1.0)  # fractions of the run: the claims judged on truncated runs
@@ -362,165 +423,3 @@ def seed_agreement(df: pd.DataFrame) -> pd.DataFrame:
         )
         .reset_index()
     )
-
-
-# Pre-registered directions (configs/study-intervention-*.toml): each arm's intended effect on its
-# mediator and predicted effect on attention entropy, by kind.
-PREDICTED_SIGN = {"contract": -1, "expand": +1, "hold": +1}
-# The activation-side mediator a manipulation must move before its outcome is read: the key
-# activations for a control on W_K, the logit (Q K^T) spectrum for a control on W_Q W_K^T.
-CHECK_MEDIATOR = {"key": "key_participation_ratio", "interaction": "logit_participation_ratio"}
-MEDIATORS = (
-    ("key_weight_participation_ratio", "weight PR_K"),
-    ("key_participation_ratio", "activation PR_K"),
-    ("interaction_rank", "interaction rank"),
-    ("logit_participation_ratio", "logit-spectrum PR"),
-)
-
-
-def _paired(values: pd.Series, kind: str) -> pd.Series:
-    """Per-seed difference kind - none of a Series indexed by (intervention, seed)."""
-    wide = values.unstack("intervention")
-    if kind not in wide or "none" not in wide:
-        return pd.Series(dtype=float)
-    return (wide[kind] - wide["none"]).dropna()
-
-
-def _direction_row(diffs: pd.Series, claim: str, group: str, win: str, sign: int | None, verdict=None) -> list[dict]:
-    """One claims row for paired differences: mean, t-interval over seeds, sign test, PD, verdict."""
-    if diffs.empty:
-        return []
-    v = diffs.to_numpy()
-    lo, hi = stats.t_mean_ci(v)
-    detail, p, extra = f"per-seed diffs {np.round(v, 4).tolist()}", np.nan, {}
-    if sign is not None:
-        k, n, p = stats.sign_test(v, sign)
-        direction = stats.probability_of_direction(v, sign)
-        detail = f"sign test p = {p:.3g}; probability of direction {direction:.3f}; {detail}"
-        extra = dict(
-            predicted="+" if sign > 0 else "-",
-            seeds_agreeing=f"{k}/{n}",
-            verdict=verdict or stats.verdict(lo, hi, sign),
-        )
-    return [
-        _row(
-            "intervention", claim, group, win, diffs.mean(), lo, hi, len(diffs), p, detail=detail,
-            interval="95% t over seeds (paired)", **extra,
-        )
-    ]  # fmt: skip
-
-
-def arm_means(df: pd.DataFrame, metric: str, win: str = "post-transient") -> pd.Series:
-    """Layer-mean `metric` per (intervention, seed): averaged over the window's probes, or at the final probe."""
-    rows = layer_metric(df, metric)
-    rows = rows[rows["step"] == rows["steps"]] if win == "final" else window(rows, win)
-    return rows.groupby(["intervention", "seed"])["value"].mean()
-
-
-def dose_points(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (arm, seed): post-transient means of attention entropy and log activation PR_K (layer mean);
-    `in_fit` marks the arms of the dose-response fit (none and contract/expand on W_K)."""
-    df = with_transient(df)
-    ent, prk = arm_means(df, "attention_entropy"), arm_means(df, "key_participation_ratio")
-    pts = pd.DataFrame({"entropy": ent, "log_pr_k": np.log(prk)}).reset_index()
-    pts["in_fit"] = pts["intervention"].map(
-        lambda a: a == "none" or a.split(":")[:2] in (["contract", "key"], ["expand", "key"])
-    )
-    return pts
-
-
-def dose_response(df: pd.DataFrame) -> pd.DataFrame:
-    """Per seed: OLS slope of attention entropy on log activation PR_K (post-transient means, layer
-    mean) across the none / contract / expand arms on W_K. Columns: seed, slope, n_arms."""
-    pts = dose_points(df)
-    out = [
-        {"seed": seed, "slope": stats.slope(g["log_pr_k"], g["entropy"]), "n_arms": len(g)}
-        for seed, g in pts[pts["in_fit"]].groupby("seed")
-    ]
-    return pd.DataFrame(out, columns=["seed", "slope", "n_arms"])
-
-
-def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame:
-    """The causal test: per arm, manipulation checks (arm - none on each mediator, paired by seed),
-    then the outcome (attention entropy) judged only if the manipulation moved its activation-side
-    mediator in the intended direction; then the dose-response slope over seeds; then how well the
-    control met its targets. Windows: post-transient mean (detected per run) and the final probe."""
-    df = with_transient(df)
-    rows: list[dict] = []
-    arms = sorted(a for a in df["intervention"].unique() if a != "none")
-    for arm in arms:
-        kind, on = arm.split(":")[:2]
-        sign = PREDICTED_SIGN[kind]
-        check_ok = True
-        for metric, label in MEDIATORS:
-            r = _direction_row(
-                _paired(arm_means(df, metric), arm), f"{arm} - none: manipulation check, {label}",
-                "mean over layers", "post-transient", sign,
-            )  # fmt: skip
-            if r and metric == CHECK_MEDIATOR[on]:
-                check_ok = r[0]["verdict"] == "holds"
-                r[0]["verdict"] = "manipulation ok" if check_ok else "manipulation failed"
-                r[0]["claim"] += " (the check)"
-            rows += r
-        for win in ("post-transient", "final"):
-            rows += _direction_row(
-                _paired(arm_means(df, "attention_entropy", win), arm), f"{arm} - none: attention entropy (nats)",
-                "mean over layers", win, sign, verdict=None if check_ok else "manipulation failed",
-            )  # fmt: skip
-            per_layer = layer_metric(df, "attention_entropy")
-            per_layer = per_layer[per_layer["step"] == per_layer["steps"]] if win == "final" else window(per_layer, win)
-            for layer, g in per_layer.groupby("layer"):
-                rows += _direction_row(
-                    _paired(g.groupby(["intervention", "seed"])["value"].mean(), arm),
-                    f"{arm} - none: attention entropy (nats)", f"layer={layer}", win, sign,
-                )  # fmt: skip
-        val = metrics[metrics["split"] == "valid"]
-        val = val[val["step"] == val["steps"]].groupby(["intervention", "seed"])["loss"].mean()
-        rows += _direction_row(_paired(val, arm), f"{arm} - none: validation loss (nats/char)", "final", "final", None)
-    dr = dose_response(df)
-    if len(dr) and dr["n_arms"].min() >= 3:
-        v = dr["slope"].to_numpy()
-        lo, hi = stats.t_mean_ci(v)
-        rows.append(
-            _row(
-                "intervention", "dose-response: slope of attention entropy on log activation PR_K",
-                "none + contract/expand on W_K", "post-transient", float(np.mean(v)), lo, hi, len(v),
-                stats.t_test_p(v), detail=f"per-seed slopes {np.round(v, 4).tolist()}; {dr['n_arms'].min()} arms each",
-                predicted="+", seeds_agreeing=f"{int(np.sum(v > 0))}/{len(v)}", interval="95% t over seeds",
-                verdict=stats.verdict(lo, hi, +1),
-            )
-        )  # fmt: skip
-    rows += control_rows(df)
-    return _finish(rows)
-
-
-def control_rows(df: pd.DataFrame) -> list[dict]:
-    """How the achieved spectrum met its target, per condition: for hold and two-sided controls the
-    max relative error; for one-sided ceilings / floors the largest violation past the target."""
-    rows = []
-    for metric in ("key_weight_participation_ratio", "interaction_rank"):
-        target = df[df["metric"] == f"{metric}_target"]
-        if target.empty:
-            continue
-        achieved = df[(df["metric"] == metric) & (df["head"] >= 0)]
-        keys = ["run_id", "step", "layer", "head"]
-        both = target.merge(achieved, on=keys, suffixes=("_target", ""))
-        both = both[both["step"] > 0]
-        for arm, g in both.groupby("intervention_target"):
-            kind = arm.split(":")[0]
-            rel = (g["value"] - g["value_target"]) / g["value_target"]
-            if kind == "contract":
-                err, what = rel.clip(lower=0).max(), "largest excess above the ceiling"
-            elif kind == "expand":
-                err, what = (-rel).clip(lower=0).max(), "largest shortfall below the floor"
-            else:
-                err, what = rel.abs().max(), "max relative error"
-            active = float((rel.abs() < 1e-6).mean())
-            rows.append(
-                _row(
-                    "intervention", f"{arm}: achieved {metric} vs target", "all controlled heads", "whole", err,
-                    n=len(g), detail=f"{what} over {g['run_id'].nunique()} runs x probes x heads; "
-                    f"share of probes at the target (control active) {active:.2f}",
-                )
-            )  # fmt: skip
-    return rows

@@ -14,6 +14,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from qkgeom.archs import one_site  # noqa: E402
+
 COLORS = {"query": "tab:blue", "key": "tab:orange"}
 
 
@@ -298,7 +300,7 @@ def model_heads(geometry: pd.DataFrame, revision: str) -> Figure:
     axes[1].set_xlabel("head")
     axes[1].set_ylabel("layer")
     heads = g[g["head"] >= 0]
-    ir = heads[heads["metric"] == "interaction_rank"].set_index(["layer", "head"])["value"]
+    ir = one_site(heads[heads["metric"] == "interaction_rank"]).set_index(["layer", "head"])["value"]
     en = ent.set_index(["layer", "head"])["value"]
     both = pd.concat([ir.rename("ir"), en.rename("en")], axis=1, join="inner")
     sc = axes[2].scatter(both["ir"], both["en"], c=both.index.get_level_values("layer"), cmap="viridis", s=12)
@@ -306,5 +308,29 @@ def model_heads(geometry: pd.DataFrame, revision: str) -> Figure:
     axes[2].set_xlabel("interaction rank (W_Q W_K^T)")
     axes[2].set_ylabel("normalised attention entropy")
     fig.suptitle(f"{revision}: per layer and per head (site {site})")
+    fig.tight_layout()
+    return fig
+
+
+def slope_by_depth(per_run: pd.DataFrame) -> Figure:
+    """Post-transient slopes of PR_Q and PR_K against relative depth (layer / (n_layers - 1)), per
+    init: seed mean with a 95% t-interval (analysis.per_run_statistics rows: one per run and layer)."""
+    from scipy import stats as S
+
+    df = per_run.assign(rel=per_run["layer"] / (per_run["n_layers"] - 1).clip(lower=1))
+    inits = sorted(df["qk_init"].unique())
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+    for ax, (metric, name) in zip(axes, [("query", "PR_Q"), ("key", "PR_K")], strict=True):
+        col = f"slope:{metric}_participation_ratio"
+        for i, init in enumerate(inits):
+            for depth, g in df[df["qk_init"] == init].groupby("n_layers"):
+                agg = g.groupby("rel")[col].agg(["mean", "std", "count"])
+                half = S.t.ppf(0.975, (agg["count"] - 1).clip(lower=1)) * agg["std"] / np.sqrt(agg["count"])
+                ax.errorbar(agg.index, agg["mean"], yerr=half, marker="o", ms=3, capsize=2, color=f"C{i}",
+                            alpha=0.5 + 0.5 * depth / df["n_layers"].max(), label=f"{init}, depth {depth}")  # fmt: skip
+        ax.axhline(0, color="k", lw=0.8)
+        ax.set(xlabel="relative depth (0 = first layer, 1 = last)", ylabel=f"{name} slope (PR per run)",
+               title=f"Post-transient {name} slope by depth")  # fmt: skip
+    axes[1].legend(fontsize=7)
     fig.tight_layout()
     return fig

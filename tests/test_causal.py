@@ -1,0 +1,106 @@
+"""causal: the intervention study's analysis on synthetic runs with known answers (one window per
+seed, the causal estimate three ways, hold at matched validation loss)."""
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from qkgeom import causal, stats
+from tests.test_analysis import STEPS, claim, synthetic
+
+SEEDS = range(5)
+
+
+def _metrics(df, loss):
+    """Validation losses at every probe step, loss(arm, step, seed)."""
+    runs = df[["run_id", "intervention", "seed"]].drop_duplicates().itertuples(index=False)
+    return pd.DataFrame(
+        [
+            dict(run_id=r, intervention=k, seed=s, split="valid", step=t, steps=40, loss=loss(k, t, s))
+            for r, k, s in runs
+            for t in STEPS
+        ]
+    )
+
+
+def test_one_window_per_seed_from_its_none_run():
+    def collapse(at):  # both PRs collapse 20 -> 2 at progress `at`, then flat
+        return lambda p, s, layer: {
+            k: 2.0 if p >= at else 20.0 for k in ("query_participation_ratio", "key_participation_ratio")
+        }
+
+    df = pd.concat(
+        [
+            synthetic(seeds=SEEDS, inits=("independent",), intervention="none", fn=collapse(0.25)),
+            synthetic(seeds=SEEDS, inits=("independent",), intervention="hold:key", fn=collapse(0.5)),
+        ]
+    )
+    w = causal.with_seed_window(df)
+    assert set(w["transient_end"]) == {10}  # the hold runs' own ends (20) are not used
+    assert causal.seed_window_note(w).endswith("0: 10, 1: 10, 2: 10, 3: 10, 4: 10")
+
+
+def test_reduced_form_first_stage_and_iv_known_values():
+    # log PR_K = log 4 + 0.5 log r (first stage 0.5 exactly); entropy = 2 + b_s log r (reduced form b_s)
+    b = {s: 0.3 * (1 + 0.1 * s) for s in SEEDS}
+
+    def arm(r):
+        return lambda p, s, layer: {"key_participation_ratio": 4 * r**0.5, "attention_entropy": 2 + b[s] * np.log(r)}
+
+    arms = (("none", 1.0), ("contract:key:0.6", 0.6), ("contract:key:0.4", 0.4), ("expand:key:1.25", 1.25))
+    df = pd.concat([synthetic(seeds=SEEDS, inits=("independent",), intervention=k, fn=arm(r)) for k, r in arms])
+    c = causal.claims_intervention(df, _metrics(df, lambda k, t, s: 1.0))
+    group = "none + contract/expand on W_K"
+    bs = np.array(list(b.values()))
+    rf = claim(c, "reduced form: attention entropy per unit assigned log ratio of W_K", group, "post-transient")
+    assert rf["value"] == pytest.approx(bs.mean()) and rf["n"] == 5 and rf["verdict"] == "holds"
+    assert rf["mde_80"] == pytest.approx(stats.mde(bs))
+    fs = claim(c, "first stage: log activation PR_K per unit assigned log ratio of W_K", group, "post-transient")
+    assert fs["value"] == pytest.approx(0.5) and fs["ci_low"] == pytest.approx(0.5)
+    iv = claim(
+        c, "IV: attention entropy per unit log activation PR_K (reduced form / first stage)", group, "post-transient"
+    )
+    lo, hi = stats.t_mean_ci(bs)
+    assert (iv["value"], iv["ci_low"], iv["ci_high"]) == pytest.approx((bs.mean() / 0.5, lo / 0.5, hi / 0.5))
+    dose = claim(c, causal.DOSE_CLAIM, group, "post-transient")
+    assert dose["value"] == pytest.approx(bs.mean() / 0.5)  # entropy on achieved log PR_K: b_s / 0.5
+
+
+def test_hold_at_matched_loss_differs_from_equal_step():
+    # none learns twice as fast (loss 3 - t/20) as hold (3 - t/40); entropy falls with step in both,
+    # and hold sits 0.1 + 0.01 s above none at the same loss, but 0.1 + 0.01 s + t/80 at the same step
+    def ent(k):
+        return lambda p, s, layer: {
+            "attention_entropy": (2.1 + 0.01 * s - 40 * p / 80) if k == "hold:key" else 2 - 40 * p / 40,
+            "key_participation_ratio": 4.0 + (1.0 if k == "hold:key" else 0.0),
+        }
+
+    df = pd.concat(
+        [synthetic(seeds=SEEDS, inits=("independent",), intervention=k, fn=ent(k)) for k in ("none", "hold:key")]
+    )
+    metrics = _metrics(df, lambda k, t, s: 3 - t / (40 if k == "hold:key" else 20))
+    matched = causal.loss_matched(df, metrics)
+    assert matched.to_numpy() == pytest.approx([0.1 + 0.01 * s for s in SEEDS])
+    c = causal.claims_intervention(df, metrics)
+    row = claim(c, "hold:key - none at matched validation loss: attention entropy (nats)", "mean over layers",
+                "post-transient, loss-matched")  # fmt: skip
+    assert row["verdict"] == "holds" and row["n"] == 5
+    equal_step = claim(c, "hold:key - none: attention entropy (nats)", "mean over layers", "post-transient")
+    assert equal_step["value"] == pytest.approx(0.1 + 0.02 + np.mean(STEPS) / 80)
+
+
+def test_headline_has_one_row_per_arm_with_its_check_and_outcome():
+    def arm(d_ent, d_prk):
+        return lambda p, s, layer: {
+            "attention_entropy": 2.0 + d_ent * (1 + 0.1 * s),
+            "key_participation_ratio": 4.0 * (1 + d_prk) + 0.01 * s,
+            "logit_participation_ratio": 3.0,
+        }
+
+    arms = (("none", 0, 0), ("contract:key:0.6", -0.2, -0.1), ("hold:key", 0.1, 0.0))
+    df = pd.concat([synthetic(seeds=SEEDS, inits=("independent",), intervention=k, fn=arm(e, r)) for k, e, r in arms])
+    h = causal.headline(causal.claims_intervention(df, _metrics(df, lambda k, t, s: 1.0))).set_index("arm")
+    assert list(h.index) == ["contract:key:0.6", "hold:key"]
+    assert h.loc["contract:key:0.6", "manipulation check"].startswith("manipulation ok (activation PR_K -0.4 ")
+    assert h.loc["contract:key:0.6", "verdict"] == "holds" and h.loc["contract:key:0.6", "n"] == 5
+    assert h.loc["hold:key", "verdict"] == "manipulation failed"  # PR_K unmoved: its outcome is not read
