@@ -129,8 +129,12 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from qkgeom.report import write_report
+    from qkgeom.report import write_family_report, write_report
+    from qkgeom.results import is_pretrained_output
 
+    if is_pretrained_output(args.dir):  # a model or checkpoint family from `qkgeom pretrained`
+        print(f"report: {write_family_report(args.dir)}")
+        return 0
     print(f"report: {write_report(_analyze(args.dir))}")
     return 0
 

@@ -93,7 +93,15 @@ def analyse_revision(
     rd.path.mkdir(parents=True, exist_ok=True)
     write_json(rd.config, info)
     rd.write_geometry(
-        [{"step": step if step is not None else -1, "tokens_seen": info["tokens_seen"] or -1, **r} for r in rows]
+        # -1: no step / token count known (a single model); step 0 keeps its 0 tokens
+        [
+            {
+                "step": -1 if step is None else step,
+                "tokens_seen": -1 if tps is None or step is None else step * tps,
+                **r,
+            }
+            for r in rows
+        ]
     )
     rd.write_spectra(spectra)
     write_json(rd.done, {"revision": rev})
@@ -135,7 +143,7 @@ def family_revisions(pc: C.PretrainedConfig) -> list[str | None]:
     if pc.all_revisions:
         root = Path(pc.model)
         if not root.is_dir():
-            raise ValueError(f"pretrained.all_revisions needs a local folder, got {pc.model!r}")
+            raise archs.PretrainedError(f"pretrained.all_revisions needs a local folder, got {pc.model!r}")
         revisions += sorted(
             (d.name for d in root.iterdir() if (d / "config.json").is_file()),
             key=lambda r: (step_of(r) is None, step_of(r) or 0, r),

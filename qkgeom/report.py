@@ -20,9 +20,9 @@ import numpy as np
 import pandas as pd
 
 from qkgeom import analysis as A
-from qkgeom import plots
-from qkgeom.data import atomic_write_bytes
-from qkgeom.results import RunDir, read_json
+from qkgeom import causal, plots
+from qkgeom.context import context_sentence, study_context
+from qkgeom.results import RunDir, atomic_write_bytes, read_json
 
 
 @dataclass
@@ -52,7 +52,7 @@ def analyze(path: str | Path) -> Analysis:
     traj = A.trajectories(geometry)
     parts = []
     if geometry["intervention"].nunique() > 1:
-        parts.append(A.claims_intervention(geometry, metrics))
+        parts.append(causal.claims_intervention(geometry, metrics))
     base = geometry[geometry["intervention"] == "none"]
     sens = pd.DataFrame(columns=A.CLAIM_COLUMNS)
     tables = {}
@@ -70,35 +70,69 @@ def analyze(path: str | Path) -> Analysis:
     return Analysis(path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"))
 
 
-VERDICT_WINDOWS = ("post-transient", "final", "post-transient mean")
+VERDICT_WINDOWS = ("post-transient", "final", "post-transient mean", "post-transient, loss-matched")
+# The groups a verdict table shows: pooled, the relative-depth bands, and the causal estimates.
+CAUSAL_GROUPS = tuple(f"none + contract/expand on {t}" for t in causal.TARGET.values())
+VERDICT_GROUPS = ("all", "mean over layers", *A.LAYER_BANDS, *CAUSAL_GROUPS)
+
+
+def _fmt(v: float) -> str:
+    return "" if pd.isna(v) else f"{v:.3g}"
 
 
 def verdicts(claims: pd.DataFrame) -> pd.DataFrame:
-    """One line per claim of the paper: predicted direction, measured effect [95% interval], n, seeds
-    agreeing, window and verdict (group `all` / `mean over layers`, the windows the claims live in)."""
+    """One line per judged claim: predicted direction, measured effect [95% interval], n, seeds
+    agreeing, mde_80 and what an inconclusive verdict rules out, window and verdict. Groups: pooled
+    (`all` / `mean over layers`), the relative-depth bands and the causal estimates."""
     sel = claims[
-        (claims["verdict"] != "")
-        & claims["group"].isin(["all", "mean over layers"])
-        & claims["window"].isin(VERDICT_WINDOWS)
+        (claims["verdict"] != "") & claims["group"].isin(VERDICT_GROUPS) & claims["window"].isin(VERDICT_WINDOWS)
     ]
-
-    def fmt(v: float) -> str:
-        return "" if pd.isna(v) else f"{v:.3g}"
-
+    # by depth band, the slopes only (the other claims per band stay in the full claims table)
+    sel = sel[~sel["group"].isin(list(A.LAYER_BANDS)) | sel["claim"].str.contains("slope of")]
+    mde = pd.to_numeric(sel.get("mde_80", pd.Series(np.nan, index=sel.index)), errors="coerce")
+    interval = [
+        "" if pd.isna(lo) else f" [{_fmt(lo)}, {_fmt(hi)}]"
+        for lo, hi in sel[["ci_low", "ci_high"]].itertuples(index=False)
+    ]
+    reading = [
+        f"rules out |effect| > {_fmt(m)} (80% power)" if v == "inconclusive" and pd.notna(m) else ""
+        for v, m in zip(sel["verdict"], mde, strict=True)
+    ]
     return pd.DataFrame(
         {
             "claim": sel["claim"],
+            "group": sel["group"],
             "predicted": sel["predicted"],
-            "measured [95% CI]": [
-                f"{fmt(v)} [{fmt(lo)}, {fmt(hi)}]"
-                for v, lo, hi in sel[["value", "ci_low", "ci_high"]].itertuples(index=False)
-            ],
+            "measured [95% CI]": [f"{_fmt(v)}{i}" for v, i in zip(sel["value"], interval, strict=True)],
             "n": sel["n"],
             "seeds agreeing": sel["seeds_agreeing"],
+            "mde_80": mde.map(_fmt),
             "window": sel["window"],
             "verdict": sel["verdict"],
+            "reading": reading,
         }
     ).reset_index(drop=True)
+
+
+GREEN, RED, AMBER = "#d8f0d8", "#f6d5d5", "#f3ecd0"
+VERDICT_COLOURS = {
+    "holds": GREEN,
+    "manipulation ok": GREEN,
+    "fails": RED,
+    "manipulation failed": RED,
+    "inconclusive": AMBER,
+}
+
+
+def verdicts_html(table: pd.DataFrame) -> str:
+    """The verdict table as HTML, each row coloured by its verdict."""
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in table.columns)
+    body = []
+    for row in table.itertuples(index=False):
+        colour = VERDICT_COLOURS.get(row.verdict, "#fff")
+        cells = "".join(f"<td>{html.escape(str(v))}</td>" for v in row)
+        body.append(f"<tr style='background:{colour}'>{cells}</tr>")
+    return f"<table class='verdicts'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
 def format_claims(claims: pd.DataFrame) -> str:
@@ -159,12 +193,12 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
             "Achieved controlled spectrum per arm (solid), its target (dashed), the baseline none run (black).",
             plots.control_tracking(g),
         )
-        slopes = A.dose_response(g)
+        slopes = causal.dose_response(g)
         if len(slopes) and slopes["n_arms"].min() >= 3:
             figs["dose_response"] = (
                 "Dose-response: attention entropy against achieved log activation PR_K, per arm and seed "
                 "(o: arms in the fit; x: other arms).",
-                plots.dose_response(A.dose_points(g), slopes),
+                plots.dose_response(causal.dose_points(g), slopes),
             )
         figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "intervention"))
     base = g[g["intervention"] == "none"]
@@ -173,6 +207,10 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
         figs["pr_post_transient"] = (
             "PR_Q and PR_K after each run's detected transient end (linear steps): where the claims are judged.",
             plots.pr_trajectories(base, post_transient=True),
+        )
+        figs["slope_by_depth"] = (
+            "Post-transient PR_Q and PR_K slopes against relative depth, per init and depth (seed mean, 95% t).",
+            plots.slope_by_depth(A.per_run_statistics(A.window(base, "post-transient"))),
         )
         figs["contrast_heatmap"] = ("PR_Q - PR_K per layer over training (seed mean).", plots.contrast_heatmap(base))
         figs["entropy_vs_prk"] = ("Attention entropy against PR_K.", plots.entropy_vs_prk(base))
@@ -218,10 +256,51 @@ def _provenance(a: Analysis) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 
+def verdict_section(a: Analysis) -> list[str]:
+    """The verdicts. An intervention study leads with one row per arm (check, outcome, verdict) and
+    the causal estimates; its per-mediator verdict rows are folded below."""
+    table = verdicts(a.claims)
+    if not a.is_intervention:
+        return [verdicts_html(table)]
+    causal_rows = table[table["group"].isin(CAUSAL_GROUPS) | table["window"].str.contains("loss-matched")]
+    main = table[table["group"] == "all"]  # the none runs' own claims, when the study has a grid of them
+    return [
+        "<h3>Per arm: manipulation check, then the outcome</h3>",
+        verdicts_html(causal.headline(a.claims)),
+        "<h3>Causal estimates</h3>",
+        verdicts_html(causal_rows),
+        *([verdicts_html(main)] if len(main) else []),
+        "<details><summary><b>Every verdict row</b> (each mediator, each window)</summary>",
+        verdicts_html(table),
+        "</details>",
+    ]
+
+
+PIPELINE_PRESETS = ("smoke", "tiny")  # presets that check the pipeline, not the science
+
+
+def context_box(a: Analysis) -> list[str]:
+    """The report's opening: how far training got (context.py), and for the smoke-scale presets a
+    plain statement that the verdicts below check the pipeline, not the science."""
+    runs = {rid: _run_dir(a, rid).path for rid in sorted(a.geometry["run_id"].unique())}
+    ctx = study_context(runs, a.geometry)
+    sweep = a.path / "sweep.json"
+    preset = read_json(sweep).get("base", "") if sweep.is_file() else ""
+    out = [f"<div class='context'><b>How far training got.</b> {html.escape(context_sentence(ctx))}</div>"]
+    if preset in PIPELINE_PRESETS or (ctx["final_valid_loss"] > 0.9 * ctx["unigram_baseline"]).any():
+        out.append(
+            "<p class='warn'><b>This is a pipeline check, not the science.</b> These models are far too small or "
+            "too briefly trained (loss near the unigram baseline, attention near uniform) for the verdicts below "
+            "to say anything about the paper's claims; they show that every stage runs.</p>"
+        )
+    return out
+
+
 CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
 table{border-collapse:collapse;font-size:12px;margin:1em 0}td,th{border:1px solid #ccc;padding:3px 6px;text-align:left}
 th{background:#f3f3f3}img{max-width:100%;border:1px solid #eee}figure{margin:1.5em 0}.warn{color:#a40}
-code{background:#f5f5f5;padding:0 3px}"""
+code{background:#f5f5f5;padding:0 3px}
+.context{background:#eef3fb;border:1px solid #bcd;padding:.6em 1em;margin:1em 0}"""
 
 
 def write_report(a: Analysis) -> Path:
@@ -241,8 +320,12 @@ def write_report(a: Analysis) -> Path:
         "<b>post-transient</b> (from each run's detected transient end; rule in docs/GLOSSARY.md). Intervals are "
         "95% t-intervals over seeds; verdicts follow the written rules in docs/GLOSSARY.md. "
         "Figures are measured on these runs; nothing is taken from the paper.</p>",
+        *context_box(a),
         "<h2>Verdicts</h2>",
-        verdicts(a.claims).to_html(index=False, escape=True),
+        "<p>Each verdict comes with <code>mde_80</code>, the smallest true effect its n and spread had 80% "
+        "power to detect (two-sided t-test at 5%); an inconclusive verdict rules out effects larger than that "
+        "and says nothing about smaller ones.</p>",
+        *verdict_section(a),
         "<p><b>Gauge note.</b> PR_Q and PR_K change under W_Q &rarr; W_Q M, W_K &rarr; W_K M<sup>-T</sup>, "
         "while attention, the score spectrum and W_Q W_K<sup>T</sup> do not; the column "
         "<code>gauge_invariant</code> marks claims that involve only the latter.</p>",
@@ -276,12 +359,16 @@ def write_report(a: Analysis) -> Path:
     return out / "index.html"
 
 
-def write_family_report(path: str | Path, early_max_step: int = 1000) -> Path:
-    """Tables (revisions.csv, trends.csv, geometry.parquet) and report/index.html of a checkpoint family."""
+def write_family_report(path: str | Path, early_max_step: int | None = None) -> Path:
+    """Tables (revisions.csv, trends.csv, geometry.parquet) and report/index.html of a checkpoint family.
+    early_max_step: the early window's end; by default the one the family was analysed with."""
     from qkgeom.family import family_trends, load_family
 
     path = Path(path)
     geometry, revs = load_family(path)
+    if early_max_step is None:
+        first = next(d for d in sorted(path.iterdir()) if RunDir(d).is_done())
+        early_max_step = read_json(RunDir(first).config).get("pretrained_config", {}).get("early_max_step", 1000)
     trends = family_trends(geometry, early_max_step)
     atomic_write_bytes(path / "revisions.csv", revs.to_csv(index=False).encode())
     atomic_write_bytes(path / "trends.csv", trends.to_csv(index=False).encode())

@@ -40,7 +40,13 @@ def test_study_writes_tables_and_prints_claims(study):
     assert traj.groupby(["qk_init", "n_layers", "layer"]).ngroups == 2 * (1 + 2)
     claims = pd.read_csv(out / "claims.csv")
     assert set(claims["window"]) == {"whole", "post-transient"}
-    assert set(claims["verdict"]) <= {"holds", "fails", "inconclusive"} and claims["n"].eq(2).all()
+    assert set(claims["verdict"].dropna()) <= {"holds", "fails", "inconclusive"} and claims["n"].eq(2).all()
+    raw = claims["claim"].str.contains("raw trend")
+    assert raw.any() and claims.loc[raw, "verdict"].isna().all()  # kept for comparison, never judged
+    judged = claims["verdict"].notna() & ~claims["claim"].str.startswith("PR_Q - PR_K > 0")
+    assert claims.loc[judged, "mde_80"].notna().all()  # every judged row says what it could detect
+    verdicts = pd.read_csv(out / "verdicts.csv")
+    assert {"layers: first", "layers: last", "layers: lower half", "layers: upper half"} <= set(verdicts["group"])
     assert claims["interval"].str.startswith("95% t over seeds").all()
     sens = pd.read_csv(out / "sensitivity.csv")
     assert {"post-transient", "from 0.5"} <= set(sens["window"])
@@ -101,6 +107,9 @@ def test_report_renders_in_headless_chromium(study):
         body = driver.find_element("tag name", "body").text
         # the report opens with the verdicts; the full table is folded away
         assert body.index("\nVerdicts\n") < body.index("\nFigures\n") < body.index("Full claims table")
+        # the context box opens the report; a tiny-preset study says it checks the pipeline only
+        assert body.index("How far training got.") < body.index("\nVerdicts\n")
+        assert "character-unigram baseline of 3." in body and "This is a pipeline check, not the science." in body
         assert "window_sensitivity" in pngs
     finally:
         driver.quit()

@@ -1,0 +1,86 @@
+"""How far training got: the numbers every study and run report opens with (MISSION.md, "Context").
+
+At two CPU cores the models see early training, so a verdict means little without them: final
+validation loss against the character-unigram baseline of the same corpus (the loss of a model that
+ignores context), mean normalised attention entropy (1 = uniform over the causal support), tokens
+seen, and tokens per parameter.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from qkgeom import config as C
+from qkgeom.data import DataError, Vocab, load_corpus
+from qkgeom.model import GPT
+from qkgeom.results import RunDir, read_json
+
+
+@lru_cache(maxsize=8)
+def unigram_baseline(source: str, tokenizer: str, vocab_json: str) -> float:
+    """Cross-entropy (nats/token) of the validation split under the training split's token
+    frequencies (add-one smoothed): what a model that ignores all context would score."""
+    corpus = load_corpus(C.DataConfig(source=source, tokenizer=tokenizer), Vocab.from_json(vocab_json))
+    counts = np.bincount(np.asarray(corpus.splits["train"]), minlength=corpus.vocab.size) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[np.asarray(corpus.splits["valid"])].mean())
+
+
+def n_parameters(model_cfg: dict, vocab_size: int) -> int:
+    """Trainable parameters of our GPT (tied embeddings counted once), built on the meta device."""
+    with torch.device("meta"):
+        model = GPT(C.from_dict({"model": model_cfg}).model, vocab_size)
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_context(run: Path, geometry: pd.DataFrame) -> dict:
+    """One run's context row; `geometry` holds its rows (layer-mean normalised entropy at the last probe)."""
+    rd = RunDir(run)
+    cfg, done = read_json(rd.config)["config"], read_json(rd.done)
+    vocab_json = rd.vocab.read_text()
+    vocab_size = Vocab.from_json(vocab_json).size
+    try:
+        baseline = unigram_baseline(cfg["data"]["source"], cfg["data"]["tokenizer"], vocab_json)
+    except (DataError, OSError):
+        baseline = float("nan")  # the corpus is not on this machine: said as n/a
+    ent = geometry[(geometry["metric"] == "attention_entropy_normalised") & (geometry["head"] == -1)]
+    ent = ent[ent["step"] == ent["step"].max()]["value"].mean()
+    params = n_parameters(cfg["model"], vocab_size)
+    tokens = cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["model"]["n_ctx"]
+    return {
+        "final_valid_loss": done["final_valid_loss"],
+        "unigram_baseline": baseline,
+        "normalised_entropy": float(ent),
+        "tokens_seen": tokens,
+        "parameters": params,
+        "tokens_per_parameter": tokens / params,
+        "precision": "bf16 autocast" if C.uses_bf16(C.from_dict(cfg).train) else "float32",
+    }
+
+
+def study_context(runs: dict[str, Path], geometry: pd.DataFrame) -> pd.DataFrame:
+    """Context rows of every run (index run_id)."""
+    rows = {rid: run_context(path, geometry[geometry["run_id"] == rid]) for rid, path in runs.items()}
+    return pd.DataFrame.from_dict(rows, orient="index").rename_axis("run_id")
+
+
+def context_sentence(ctx: pd.DataFrame) -> str:
+    """The report's opening box, in words (ranges over runs)."""
+
+    def span(col: str, fmt: str) -> str:
+        lo, hi = ctx[col].min(), ctx[col].max()
+        return format(lo, fmt) if np.isclose(lo, hi) else f"{format(lo, fmt)}-{format(hi, fmt)}"
+
+    base = "n/a (corpus not found)" if ctx["unigram_baseline"].isna().all() else span("unigram_baseline", ".3f")
+    return (
+        f"Final validation loss {span('final_valid_loss', '.3f')} nats/char against a character-unigram "
+        f"baseline of {base} nats/char; mean normalised attention entropy at the last probe "
+        f"{span('normalised_entropy', '.2f')} (1 = uniform); {span('tokens_seen', ',.0f')} tokens seen, "
+        f"{span('tokens_per_parameter', '.2f')} tokens per parameter ({span('parameters', ',.0f')} parameters); "
+        f"precision {', '.join(sorted(set(ctx['precision'])))}."
+    )
