@@ -43,6 +43,10 @@ class CheckpointError(QKGeomError, RuntimeError):
     """A checkpoint that is missing, truncated or corrupt."""
 
 
+class DamagedRunError(QKGeomError, ValueError):
+    """A run folder's file is damaged or incomplete; the message names the file."""
+
+
 class FolderLockedError(QKGeomError, RuntimeError):
     """Another live process holds the folder (a run or a sweep)."""
 
@@ -211,14 +215,25 @@ class RunDir:
             f.write(json.dumps(row) + "\n")
 
     def read_metrics(self) -> list[dict[str, Any]]:
+        """Every row of metrics.jsonl. Only the last line may be torn (a process killed mid-append):
+        it is dropped. A garbled line anywhere else is damage, refused with its line number
+        (DamagedRunError), so that no valid row after it is ever lost."""
         if not self.metrics.exists():
             return []
+        lines = self.metrics.read_text(errors="replace").splitlines()
         rows = []
-        for line in self.metrics.read_text().splitlines():
+        for i, line in enumerate(lines):
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                break  # torn line of a killed run: everything after it is discarded
+                row = json.loads(line)
+                if not isinstance(row, dict) or "step" not in row:
+                    raise ValueError("not a metrics row")
+                rows.append(row)
+            except ValueError:
+                if i == len(lines) - 1:
+                    break  # the torn last line of a killed run
+                raise DamagedRunError(
+                    f"{self.metrics} line {i + 1} is garbled ({line[:40]!r}); fix or delete that line"
+                ) from None
         return rows
 
     def truncate_metrics(self, max_step: int) -> None:

@@ -242,9 +242,35 @@ class _Run:
                 f"cannot resume {rd.path}: geometry.parquet or spectra.npz is corrupt ({type(e).__name__}); "
                 "nothing was changed"
             ) from None
+        self._check_records(start, {int(g["step"]) for g in self.geometry}, set(spectra.get("step", [])))
         rd.truncate_metrics(start)
         keep = spectra.get("step", np.array([])) <= start
         self.spectra = {k: list(v[keep]) for k, v in spectra.items()}
+
+    def _check_records(self, start: int, geometry_steps: set[int], spectra_steps: set[int]) -> None:
+        """Refuse to resume (changing nothing) unless every record the checkpoint at `start` says
+        exists is on disk: each probe in geometry.parquet and spectra.npz, each train and validation
+        row in metrics.jsonl. A deleted or truncated file would otherwise finish as a "done" run with
+        holes."""
+        t, rd = self.cfg.train, self.rd
+        probes = {s for s in self.schedule if s <= start}
+        rows = rd.read_metrics()  # raises DamagedRunError on a garbled line
+        train = {r["step"] for r in rows if r.get("split") == "train"}
+        valid = {r["step"] for r in rows if r.get("split") == "valid"}
+        expected = [
+            (rd.geometry, probes - geometry_steps, "probes at steps"),
+            (rd.spectra, probes - spectra_steps, "probes at steps"),
+            (rd.metrics, set(range(1, start + 1)) - train, "training steps"),
+            (rd.metrics, {s for s in range(start + 1) if s % t.eval_every == 0} - valid, "evaluations at steps"),
+        ]
+        for path, missing, what in expected:
+            if missing:
+                shown = sorted(missing)[:5]
+                raise TrainingError(
+                    f"cannot resume {rd.path}: {path.name} lacks {len(missing)} {what} {shown}"
+                    f"{' ...' if len(missing) > 5 else ''} that the checkpoint at step {start} says happened "
+                    "(deleted or damaged); nothing was changed"
+                )
 
     def _start_fresh(self, corpus, n_probe: int) -> None:
         rd, cfg = self.rd, self.cfg

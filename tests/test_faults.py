@@ -129,7 +129,10 @@ def test_ctrl_c_one_line_then_resume(reference, tmp_path):
 
 
 def _folder_bytes(folder: Path) -> dict[str, bytes]:
-    return {str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file()}
+    """Every file's bytes, but the lock file (it records whoever held the folder last)."""
+    return {
+        str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file() and f.name != ".lock"
+    }
 
 
 def test_second_process_on_a_run_folder_is_refused(tmp_path):
@@ -361,6 +364,41 @@ def test_resume_refuses_a_damaged_run_and_changes_nothing(reference, tmp_path, d
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
     assert "corrupt" in r.stderr and damage.split(".")[0] in r.stderr
     assert before == {p: p.read_bytes() for p in out.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+@pytest.fixture(scope="module")
+def killed_at_35(tmp_path_factory) -> Path:
+    """A run SIGKILLed right after step 35 (last checkpoint: step 30; probes up to step 30 on disk)."""
+    out = tmp_path_factory.mktemp("killed") / "run"
+    assert start_with_fault("step:35:KILL", *TRAIN, "--out", str(out)).wait(timeout=120) == -signal.SIGKILL
+    return out
+
+
+@pytest.mark.parametrize(
+    "damage, says",
+    [
+        ("delete geometry.parquet", "geometry.parquet lacks 8 probes at steps [0, 1, 2, 4, 8] ..."),
+        ("delete spectra.npz", "spectra.npz lacks 8 probes"),
+        ("delete metrics.jsonl", "metrics.jsonl lacks 30 training steps"),
+        ("garble metrics.jsonl", "metrics.jsonl line 11 is garbled"),
+    ],
+)
+def test_resume_refuses_missing_records_and_changes_nothing(killed_at_35, tmp_path, damage, says):
+    # these resumed to a "done" run with holes (every probe before the kill missing), or silently
+    # dropped every valid metrics row after a garbled one
+    out = tmp_path / "run"
+    shutil.copytree(killed_at_35, out)
+    verb, name = damage.split()
+    if verb == "delete":
+        (out / name).unlink()
+    else:
+        lines = (out / name).read_text().splitlines()
+        lines[10] = '{"step": 9, "spl'
+        (out / name).write_text("\n".join(lines) + "\n")
+    before = _folder_bytes(out)
+    r = cli(*TRAIN, "--out", str(out), "--resume")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and says in r.stderr, r.stderr
+    assert _folder_bytes(out) == before
 
 
 def _finished(reference: Path, tmp_path: Path) -> Path:
