@@ -131,7 +131,9 @@ def test_ctrl_c_one_line_then_resume(reference, tmp_path):
 def _folder_bytes(folder: Path) -> dict[str, bytes]:
     """Every file's bytes, but the lock file (it records whoever held the folder last)."""
     return {
-        str(f.relative_to(folder)): f.read_bytes() for f in sorted(folder.rglob("*")) if f.is_file() and f.name != ".lock"
+        str(f.relative_to(folder)): f.read_bytes()
+        for f in sorted(folder.rglob("*"))
+        if f.is_file() and f.name != ".lock"
     }
 
 
