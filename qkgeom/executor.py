@@ -9,21 +9,26 @@ cheap and exact (done.json / checkpoints), which is what makes the retry below s
 - `local`, workers > 1: a spawn pool (a clean interpreter per worker: fork after torch has started
   threads can deadlock). Workers ignore Ctrl-C (the parent handles it) and die with their parent
   (Linux PDEATHSIG), so a killed sweep leaves no orphans; Ctrl-C or SIGTERM stops them at once. A
-  worker that dies (OOM killer, kill -9) breaks the pool: its jobs are retried once in a fresh
-  pool; a job lost twice comes back as `JobLost`.
+  worker that dies (OOM killer, kill -9) breaks the pool: the jobs that had started are retried
+  once in a fresh pool, queued ones are resubmitted without charge; a started job lost twice comes
+  back as `JobLost`.
 - `ray` (optional extra, pip install 'qkgeom[ray]'): each job a Ray task with `threads` CPUs and
   `gpus` GPUs, on a running cluster (`address`) or a local instance.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
+import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from multiprocessing import get_context
+from pathlib import Path
 from typing import Any
 
 EXECUTORS = ("local", "ray")
@@ -94,8 +99,19 @@ def _on_sigterm(signum, frame) -> None:
     raise KeyboardInterrupt  # handled like Ctrl-C: workers stopped, one line, resumable
 
 
+def _started(fn: Callable[..., Any], marker: str, *args: Any) -> Any:
+    """Run a job in a worker, first leaving a marker that it started (see _run_pool)."""
+    Path(marker).touch()
+    return fn(*args)
+
+
 def _run_pool(fn: Callable[..., Any], jobs: list[Job], workers: int) -> Iterator[tuple[str, Any]]:
+    # When one worker dies the whole pool breaks and every pending job fails with it, most of them
+    # still queued. Only a job that had started (its marker exists) is charged an attempt; a queued
+    # one is resubmitted for free, so two unrelated deaths never fail jobs that never ran.
     attempts = {job.key: 0 for job in jobs}
+    markers_dir = tempfile.mkdtemp(prefix="qkgeom-jobs-")
+    marker = {job.key: os.path.join(markers_dir, str(i)) for i, job in enumerate(jobs)}
     queue = list(jobs)
     main_thread = threading.current_thread() is threading.main_thread()  # signal handlers only there
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
@@ -107,7 +123,7 @@ def _run_pool(fn: Callable[..., Any], jobs: list[Job], workers: int) -> Iterator
             lost: list[Job] = []
             pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_worker_init)
             try:
-                futures = {pool.submit(fn, *job.args): job for job in queue}
+                futures = {pool.submit(_started, fn, marker[job.key], *job.args): job for job in queue}
                 for f in as_completed(futures):
                     try:
                         result = f.result()
@@ -121,12 +137,15 @@ def _run_pool(fn: Callable[..., Any], jobs: list[Job], workers: int) -> Iterator
             pool.shutdown(wait=True)
             queue = []
             for job in lost:
-                attempts[job.key] += 1
+                if os.path.exists(marker[job.key]):
+                    attempts[job.key] += 1
+                    os.remove(marker[job.key])
                 if attempts[job.key] < 2:
                     queue.append(job)
                 else:
                     yield job.key, JobLost("its worker process died twice (killed, or out of memory?)")
     finally:
+        shutil.rmtree(markers_dir, ignore_errors=True)
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
             signal.signal(signal.SIGPIPE, previous_pipe)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 from qkgeom import results
@@ -44,6 +45,17 @@ def _signal_at_step(step: int, sig: signal.Signals) -> None:
             os.kill(os.getpid(), sig)
 
     results.RunDir.append_metrics = append
+
+
+def die_first_time(folder: str, key: str, dies: bool, seconds: float) -> str:
+    """A pool job (tests/test_faults.py): a `dies` job SIGKILLs its worker the first time it runs;
+    every job takes `seconds`."""
+    mark = Path(folder) / f"{key}.ran"
+    if dies and not mark.exists():
+        mark.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(seconds)
+    return key
 
 
 if __name__ == "__main__":

@@ -267,6 +267,19 @@ def test_a_worker_killed_like_the_oom_killer_is_retried(tmp_path):
     assert len(list(out.glob("*/done.json"))) == 2 and not list(out.glob("*/error.json"))
 
 
+def test_two_unrelated_worker_deaths_fail_no_job_that_never_ran(tmp_path):
+    # k1 kills its worker at once; k2 (last) kills its worker the first time it runs, in the second
+    # pool. The queued jobs broken by the first death were charged an attempt and, broken again by
+    # the second, came back "died twice" although they never ran.
+    from qkgeom.executor import Job, run_jobs
+    from tests.faultchild import die_first_time
+
+    keys = ["k1", "q1", "q2", "q3", "q4", "k2"]
+    jobs = [Job(k, (str(tmp_path), k, k.startswith("k"), 0.0 if k.startswith("k") else 0.5)) for k in keys]
+    results = dict(run_jobs(die_first_time, jobs, workers=2))
+    assert results == {k: k for k in keys}, results
+
+
 def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
     # no race: the first sweep's runs are far longer than the test; it is stopped afterwards
     sweep = tmp_path / "long.toml"
