@@ -75,8 +75,38 @@ def arm_label(iv: dict) -> str:
     return f"{kind}:{on}:{iv.get('ratio', 1.0):g}"
 
 
+# What may differ between the runs of one analysis: the seeds (the units), the study's conditions
+# (depth, Q/K init, intervention arm) and bookkeeping. Anything else (width, tokenizer, steps, lr, ...)
+# would be pooled as if it were seed noise.
+CONDITION_KEYS = ("name", "train.seed", "train.data_seed", "train.threads", "model.n_layers", "model.qk_init")
+
+
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in cfg.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": str(v)})
+    return out
+
+
+def check_one_design(configs: dict[str, dict], path: str | Path) -> None:
+    """Refuse (one line) runs that differ in anything but seeds and study conditions (CONDITION_KEYS,
+    intervention.*): they are not seeds of one design, and pooling them would hide it."""
+    flat = {rid: _flat(cfg) for rid, cfg in configs.items()}
+    keys = sorted({k for f in flat.values() for k in f})
+    differ = [
+        k for k in keys
+        if k not in CONDITION_KEYS and not k.startswith("intervention.") and len({f.get(k) for f in flat.values()}) > 1
+    ]  # fmt: skip
+    if differ:
+        shown = "; ".join(f"{k} = {sorted({f.get(k) or '-' for f in flat.values()})}" for k in differ[:3])
+        raise AnalysisError(
+            f"the runs under {path} are not one design: they differ in {shown}"
+            f"{' ...' if len(differ) > 3 else ''}; analyse each design in its own folder"
+        )
+
+
 def _load(path: str | Path, reader) -> pd.DataFrame:
-    frames = []
+    frames, configs = [], {}
     for d in run_folders(path):
         rd = RunDir(d)
         if not rd.is_done():
@@ -92,6 +122,7 @@ def _load(path: str | Path, reader) -> pd.DataFrame:
         for k, v in info.items():
             df[k] = v
         frames.append(df)
+        configs[d.name] = read_json(rd.config)["config"]
     if not frames:
         if is_pretrained_output(path):
             raise AnalysisError(
@@ -99,6 +130,7 @@ def _load(path: str | Path, reader) -> pd.DataFrame:
                 f"`qkgeom report {path}`, or read them with qkgeom.family.load_family"
             )
         raise AnalysisError(f"no finished runs under {path}")
+    check_one_design(configs, path)
     return pd.concat(frames, ignore_index=True)
 
 

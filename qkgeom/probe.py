@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from qkgeom import geometry as G
+from qkgeom.errors import QKGeomError
 
 Tensor = torch.Tensor
 ENTROPY_BINS = 1000  # histogram resolution of normalised entropy, for a streaming median
@@ -258,6 +259,34 @@ def weight_geometry(
     return rows, spectra
 
 
+class MeasureError(QKGeomError, ValueError):
+    """Activations handed to measure() of the wrong shape or with non-finite values."""
+
+
+def check_activations(qs: list[Tensor], ks: list[Tensor], pats: list[Tensor | None]) -> None:
+    """Shapes and finiteness of per-layer q (B, H_q, T, E), k (B, H_kv, T, E), pattern (B, H_q, T, T);
+    raises MeasureError naming the layer, the tensor and what is wrong."""
+    if not (len(qs) == len(ks) == len(pats)):
+        raise MeasureError(f"q, k and pattern give {len(qs)}, {len(ks)} and {len(pats)} layers")
+    for i, (q, k, pat) in enumerate(zip(qs, ks, pats, strict=True)):
+        if q.dim() != 4 or k.dim() != 4:
+            raise MeasureError(f"layer {i}: q and k must be (B, H, T, E), got {tuple(q.shape)} and {tuple(k.shape)}")
+        (b, hq, t, e), (bk, hk, tk, ek) = q.shape, k.shape
+        if (b, t, e) != (bk, tk, ek) or hq % hk:
+            raise MeasureError(
+                f"layer {i}: k {tuple(k.shape)} does not match q {tuple(q.shape)} "
+                "(same B, T, E; H_q a multiple of H_kv)"
+            )
+        if pat is not None and tuple(pat.shape) != (b, hq, t, t):
+            raise MeasureError(
+                f"layer {i}: pattern has shape {tuple(pat.shape)}, expected (B, H_q, T, T) = {(b, hq, t, t)}"
+            )
+        for name, x in (("q", q), ("k", k), ("pattern", pat)):
+            if x is not None and not torch.isfinite(x).all():
+                bad = int((~torch.isfinite(x)).sum())
+                raise MeasureError(f"layer {i}: {name} has {bad} non-finite values (NaN or inf)")
+
+
 def measure(
     q: list[Tensor] | Tensor,
     k: list[Tensor] | Tensor,
@@ -283,6 +312,7 @@ def measure(
 
     qs, ks = layers(q), layers(k)
     pats = layers(pattern) if pattern is not None else [None] * len(qs)
+    check_activations(qs, ks, pats)
     acc = GeometryAccumulator()
     acc.update(QKSnapshot(q=qs, k=ks, pattern=pats, causal=causal))
     rows = acc.rows()

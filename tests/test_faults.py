@@ -458,3 +458,34 @@ def test_bad_input_zoo(reference, tmp_path, args, message):
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
     assert before == {p: p.read_bytes() for p in done.rglob("*") if p.is_file() and p.name != ".lock"}
+
+
+def test_analyze_refuses_runs_that_are_not_seeds_of_one_design(tmp_path):
+    # two runs of different width were pooled as if they were two seeds
+    from qkgeom.train import train
+    from tests.conftest import tiny_config
+
+    train(tiny_config(train={"steps": 4, "seed": 0}), tmp_path / "a", progress=False)
+    train(tiny_config(train={"steps": 4, "seed": 1}, model={"d_model": 64}), tmp_path / "b", progress=False)
+    r = cli("analyze", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "not one design" in r.stderr and "model.d_model = ['32', '64']" in r.stderr
+
+
+def test_measure_names_bad_shapes_and_non_finite_values():
+    import torch
+
+    import qkgeom
+    from qkgeom.probe import MeasureError
+
+    q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
+    pattern = torch.softmax(torch.randn(2, 4, 8, 8), -1)
+    assert len(qkgeom.measure(q, k, pattern))  # grouped-query shapes are fine
+    with pytest.raises(MeasureError, match=r"pattern has shape \(2, 4, 8, 7\), expected"):
+        qkgeom.measure(q, k, pattern[..., :7])
+    nan = pattern.clone()
+    nan[0, 0, 3, 2] = float("nan")  # crashed with an IndexError
+    with pytest.raises(MeasureError, match="pattern has 1 non-finite values"):
+        qkgeom.measure(q, k, nan)
+    with pytest.raises(MeasureError, match="does not match q"):
+        qkgeom.measure(q, torch.randn(2, 3, 8, 16))
