@@ -39,10 +39,10 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from qkgeom.train import run_id, train
+    from qkgeom.train import train
 
     cfg = C.load(args.config, args.overrides)
-    out = Path(args.out) if args.out else Path(args.runs) / "train" / run_id(cfg)
+    out = Path(args.out) if args.out else Path(args.runs) / "train" / C.run_id(cfg)
     rd = train(cfg, out, resume=args.resume, progress=not args.no_progress)
     print(f"run complete: {rd.path}")
     return 0

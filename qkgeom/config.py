@@ -8,7 +8,10 @@ properties, never written back, so ``config.json`` records exactly what was aske
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+import re
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -101,7 +104,11 @@ class TrainConfig:
     checkpoint_every: int = 50
     """Write the resume checkpoint every this many steps (and at the end)."""
     checkpoint_steps: tuple[int, ...] = ()
-    """Steps whose weights are kept permanently under checkpoints/."""
+    """Steps whose weights are kept permanently under checkpoints/ (as step_<n>.pt)."""
+    keep_checkpoints: str = "none"
+    """Checkpoints kept beside last.pt, for `qkgeom export` as a checkpoint family: `none`, or `log`
+    (about 16 log-spaced steps and the last; each file holds weights and AdamW state, ~12 bytes per
+    parameter: ~10 MB at the cpu preset, depth 4). Explicit steps: checkpoint_steps."""
     device: str = "cpu"
     """Torch device (`cpu`, `cuda`)."""
     precision: str = "auto"
@@ -324,7 +331,11 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override key {key!r} does not name a config field")
-        node[parts[-1]] = _parse_scalar(text.strip())
+        value = _parse_scalar(text.strip())
+        if isinstance(node.get(parts[-1]), dict) or (isinstance(value, dict) and len(parts) == 1):
+            # `--set model={...}` used to replace the whole [model] table, silently dropping the rest
+            raise ConfigError(f"override {key!r} names a table; set its fields one by one ({key}.FIELD=value)")
+        node[parts[-1]] = value
     return out
 
 
@@ -355,6 +366,23 @@ def resolve_preset(path: str | Path) -> Path:
     raise ConfigError(f"config {str(path)!r} is neither a file nor a preset (presets: {known})")
 
 
+MAX_CTX = 8192  # a T x T probe pattern per head beyond this does not fit a workstation's memory
+# run names become folder names: no path separators, no "..", nothing a shell would misread
+SAFE_NAME = re.compile(r"[A-Za-z0-9_=,+\-][A-Za-z0-9._=,+\-]*")
+
+
+def run_id(cfg: RunConfig) -> str:
+    """A run's deterministic id and folder name: its name plus a hash of the resolved config."""
+    digest = hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:10]
+    return f"{cfg.name}-{digest}"
+
+
+def safe_name(label: str) -> str:
+    """`label` made a valid run name: any character outside SAFE_NAME's set becomes '-'."""
+    out = re.sub(r"[^A-Za-z0-9._=,+\-]", "-", label).lstrip(".")
+    return out or "run"
+
+
 def validate(cfg: RunConfig) -> None:
     """Raise ConfigError for values that cannot make a sensible run."""
     m, t, p, iv = cfg.model, cfg.train, cfg.probe, cfg.intervention
@@ -372,7 +400,17 @@ def validate(cfg: RunConfig) -> None:
         m.qk_init != "orthogonal" or 2 * m.d_head <= m.d_model,
         f"model.qk_init='orthogonal' needs 2*d_head <= d_model, got d_head={m.d_head}, d_model={m.d_model}",
     )
+    need(m.n_ctx <= MAX_CTX, f"model.n_ctx must be <= {MAX_CTX} (learned positions, T x T probes), got {m.n_ctx}")
     need(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
+    need(
+        t.device == "cpu" or re.fullmatch(r"cuda(:\d+)?|mps", t.device) is not None,
+        f"train.device must be cpu, cuda, cuda:N or mps, got {t.device!r}",
+    )
+    need(t.threads >= 0, f"train.threads must be >= 0 (0 = torch's default), got {t.threads}")
+    need(
+        SAFE_NAME.fullmatch(cfg.name) is not None,
+        f"name {cfg.name!r} may hold only letters, digits and . _ = , + - (it names a folder)",
+    )
     need(m.d_mlp >= 0, f"model.d_mlp must be >= 0, got {m.d_mlp}")
     need(t.steps > 0, f"train.steps must be positive, got {t.steps}")
     need(t.batch_size > 0, f"train.batch_size must be positive, got {t.batch_size}")
@@ -388,6 +426,11 @@ def validate(cfg: RunConfig) -> None:
     for k in ("eval_every", "eval_batches", "checkpoint_every"):
         need(getattr(t, k) > 0, f"train.{k} must be positive, got {getattr(t, k)}")
     need(all(0 <= s <= t.steps for s in t.checkpoint_steps), f"train.checkpoint_steps must lie in [0, {t.steps}]")
+    need(
+        t.keep_checkpoints in KEEP_CHECKPOINTS,
+        f"train.keep_checkpoints must be one of {KEEP_CHECKPOINTS} (explicit steps: train.checkpoint_steps), "
+        f"got {t.keep_checkpoints!r}",
+    )
     need(p.every > 0, f"probe.every must be positive, got {p.every}")
     need(p.n_seqs >= 0, f"probe.n_seqs must be >= 0 (0 = automatic), got {p.n_seqs}")
     need(p.min_tokens_per_dim > 0, f"probe.min_tokens_per_dim must be positive, got {p.min_tokens_per_dim}")
@@ -409,6 +452,19 @@ def validate(cfg: RunConfig) -> None:
     bad_heads = [x for x in iv.heads if not 0 <= x < m.n_heads]
     need(not bad_heads, f"intervention.heads {bad_heads} do not exist (model has {m.n_heads} heads)")
     need(0 < iv.reach_fraction <= 1, f"intervention.reach_fraction must be in (0, 1], got {iv.reach_fraction}")
+
+
+KEEP_CHECKPOINTS = ("none", "log")
+N_LOG_CHECKPOINTS = 16
+
+
+def kept_steps(t: TrainConfig) -> list[int]:
+    """The steps whose checkpoints a run keeps: checkpoint_steps, plus for keep_checkpoints = `log`
+    step 0, about 16 log-spaced steps, and the last step."""
+    steps = set(t.checkpoint_steps)
+    if t.keep_checkpoints == "log":
+        steps |= {0, t.steps} | {int(round(t.steps ** (i / (N_LOG_CHECKPOINTS - 1)))) for i in range(N_LOG_CHECKPOINTS)}
+    return sorted(steps)
 
 
 def uses_bf16(t: TrainConfig) -> bool:

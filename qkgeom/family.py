@@ -21,7 +21,7 @@ import torch
 
 from qkgeom import archs, stats
 from qkgeom import config as C
-from qkgeom.results import RunDir, provenance, read_json, write_json
+from qkgeom.results import DamagedRunError, RunDir, provenance, read_json, write_json
 
 PYTHIA_TOKENS_PER_STEP = 2_097_152  # 1024 sequences x 2048 tokens
 
@@ -60,7 +60,7 @@ def analyse_revision(
     from qkgeom.pretrained import analyse_model, load_model, resolve_revision, token_batches, weights_digest
 
     rev = revision or "main"
-    rd = RunDir(out / rev)
+    rd = RunDir(out / C.safe_name(rev))  # `refs/pr/1` or `../x` stay inside `out` (config.json keeps the name)
     if rd.is_done():
         return rd.path
     model = load_model(pc.model, revision)
@@ -322,4 +322,8 @@ def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
             {"run": str(rd.path), "step": step, "tokens_per_step": cfg["tokens_per_step"]},
         )
         written.append(target)
+    if not written:
+        raise DamagedRunError(
+            f"{rd.path} has no checkpoints to export (train with --set train.keep_checkpoints=log to keep a family)"
+        )
     return written

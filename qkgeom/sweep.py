@@ -116,14 +116,12 @@ def expand(spec: SweepSpec) -> list[RunSpec]:
     for combo in itertools.product(*axes):
         overrides = {**spec.fixed, **{k: v for part in combo for k, v in part.items()}}
         label = "_".join(f"{k.split('.')[-1]}={v}" for part in combo for k, v in part.items())
-        strings = [_as_override(k, v) for k, v in overrides.items()] + [_as_override("name", label)]
+        strings = [_as_override(k, v) for k, v in overrides.items()] + [_as_override("name", C.safe_name(label))]
         try:
             cfg = C.load(spec.base, strings)
         except C.ConfigError as e:
             raise SweepError(f"sweep {spec.name!r}: {e}") from None
-        from qkgeom.train import run_id
-
-        runs.append(RunSpec(run_id(cfg), overrides, cfg))
+        runs.append(RunSpec(C.run_id(cfg), overrides, cfg))
     return [_with_baseline(spec, r, runs) for r in runs]
 
 
@@ -143,11 +141,9 @@ def _with_baseline(spec: SweepSpec, r: RunSpec, runs: list[RunSpec]) -> RunSpec:
             f"sweep {spec.name!r}: run {r.run_id} is relative to its baseline, but the grid has no "
             "intervention.kind = 'none' run with the same other settings"
         )
-    from qkgeom.train import run_id
-
     overrides = {**r.overrides, "intervention.baseline": match[0].run_id}
     cfg = C.from_dict(C.apply_overrides(C.to_dict(r.config), [_as_override("intervention.baseline", match[0].run_id)]))
-    return RunSpec(run_id(cfg), overrides, cfg)
+    return RunSpec(C.run_id(cfg), overrides, cfg)
 
 
 def write_manifest(spec: SweepSpec, runs: list[RunSpec], out: Path) -> None:

@@ -9,8 +9,6 @@ so ``--resume`` keeps those records and continues; data order is a pure function
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 import time
 import warnings
@@ -32,12 +30,6 @@ from qkgeom.results import RunDir, folder_lock, provenance, read_json, write_jso
 
 class TrainingError(QKGeomError, RuntimeError):
     """Training cannot go on (a NaN loss, a run folder that is not resumable, ...)."""
-
-
-def run_id(cfg: C.RunConfig) -> str:
-    """Deterministic id: the run name plus a hash of the resolved config."""
-    digest = hashlib.sha256(json.dumps(C.to_dict(cfg), sort_keys=True).encode()).hexdigest()[:10]
-    return f"{cfg.name}-{digest}"
 
 
 def probe_steps(steps: int, every: int, log_early: bool = True) -> list[int]:
@@ -216,6 +208,7 @@ class _Run:
         offsets = fixed_offsets(len(self.valid_data), m.n_ctx, n_probe)
         self.probe_idx = torch.from_numpy(gather(self.valid_data, offsets, m.n_ctx)[0]).to(self.device)
         self.schedule = set(probe_steps(t.steps, cfg.probe.every, cfg.probe.log_early))
+        self.kept = set(C.kept_steps(t))  # checkpoints kept beside last.pt
         self.tokens_per_step = t.batch_size * m.n_ctx
         self.loss_ceiling = DIVERGED_LOSS_FACTOR * math.log(corpus.vocab.size)
         self.start, self.elapsed0, self.geometry, self.spectra = 0, 0.0, [], {}
@@ -288,6 +281,7 @@ class _Run:
                 "vocab_size": corpus.vocab.size,
                 "data_folder": str(corpus.folder),
                 "probe_steps": sorted(self.schedule),
+                "kept_checkpoints": sorted(self.kept),
                 "probe_n_seqs": n_probe,
                 "probe_tokens": n_probe * cfg.model.n_ctx,
                 "probe_logit_seqs": min(n_probe, cfg.probe.logit_max_seqs or n_probe),
@@ -344,7 +338,7 @@ class _Run:
 
     def checkpoint(self, step: int) -> None:
         t = self.cfg.train
-        if step not in t.checkpoint_steps and step % t.checkpoint_every and step != t.steps:
+        if step not in self.kept and step % t.checkpoint_every and step != t.steps:
             return
         self.check_finite(step)  # never let a diverged state overwrite the last good checkpoint
         state = {
@@ -354,7 +348,7 @@ class _Run:
             "step": step,
             "elapsed": self.clock(),
         }
-        if step in t.checkpoint_steps:
+        if step in self.kept:
             self.rd.save_checkpoint(state, f"step_{step}.pt")
         if step % t.checkpoint_every == 0 or step == t.steps:
             self.rd.save_checkpoint(state, "last.pt")

@@ -176,3 +176,39 @@ def test_single_model_is_a_complete_result(exported, tmp_path):
     assert trends["n"].iloc[0] == 2 * 4 and np.isfinite(trends["rho"].iloc[0])  # 2 layers x 4 heads
     html = (out / "report" / "index.html").read_text()
     assert (out / "report" / "model_heads.png").is_file() and "model_heads" in html and "Per-layer values" in html
+
+
+@pytest.mark.usefixtures("wikitext")
+def test_kept_log_checkpoints_export_as_a_family_with_trends(tmp_path, capsys):
+    # a run keeps ~16 log-spaced checkpoints; exported, they read back as a family through the
+    # Hugging Face path, with trend rows over steps
+    import pandas as pd
+
+    from qkgeom.cli import main
+    from qkgeom.results import read_json
+
+    run, hf, fam = tmp_path / "run", tmp_path / "hf", tmp_path / "fam"
+    train_args = ["train", "tiny", "--no-progress", "--set", "train.steps=40", "--set", 'train.keep_checkpoints="log"']
+    assert main([*train_args, "--out", str(run)]) == 0, capsys.readouterr().err
+    kept = read_json(run / "config.json")["kept_checkpoints"]
+    assert kept == [0, 1, 2, 3, 4, 6, 7, 9, 12, 15, 19, 24, 31, 40]
+    assert sorted(p.name for p in (run / "checkpoints").glob("step_*.pt")) == sorted(f"step_{s}.pt" for s in kept)
+    assert main(["export", str(run), "--out", str(hf)]) == 0
+    args = ["--all-revisions", "--n-tokens", "512", "--seq-len", "32", "--batch-size", "4", "--no-progress"]
+    assert main(["pretrained", str(hf), "--out", str(fam), *args]) == 0, capsys.readouterr().err
+    revs = pd.read_csv(fam / "revisions.csv")
+    assert len(revs) == len(kept) >= 5 and list(revs["step"]) == kept
+    assert list(revs["tokens_seen"]) == [s * 8 * 32 for s in kept]  # tiny: batch 8 x n_ctx 32
+    trends = pd.read_csv(fam / "trends.csv")
+    early = trends[(trends["window"] == "early") & (trends["layer"] == "mean")]
+    assert len(early) == 1 and early["n"].iloc[0] == len(kept)
+
+
+def test_export_of_a_run_without_checkpoints_is_refused(tmp_path, capsys):
+    from qkgeom.cli import main
+
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text('{"config": {"model": {}}, "vocab_size": 3, "tokens_per_step": 1}')
+    (tmp_path / "run" / "vocab.json").write_text('{"kind": "char", "chars": "ab"}')
+    assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
+    assert "has no checkpoints to export" in capsys.readouterr().err
