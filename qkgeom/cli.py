@@ -15,12 +15,47 @@ EXAMPLES = """examples:
   qkgeom train tiny --out runs/x --resume            continue a killed run from its last checkpoint
   qkgeom sweep smoke --dry-run                       list the 36 runs of the smoke study
   qkgeom study smoke                                 the main study end to end at tiny width (minutes)
-  qkgeom study intervention-cpu                      the causal test: 5 seeds x {none, hold, shrink}
+  qkgeom study causal-cpu                            the pre-registered causal test (qkgeom study --help: all studies)
   qkgeom analyze runs/study-smoke                    print and save the claims table
   qkgeom report runs/study-smoke                     runs/study-smoke/report/index.html
   qkgeom pretrained EleutherAI/pythia-70m --family pythia --every 10
   qkgeom export runs/train/<run-id> --out runs/hf/mine && qkgeom pretrained runs/hf/mine --all-revisions
 """
+
+
+def describe_study(path: Path) -> str:
+    """One line about a study file, generated from it (so --help always agrees with configs/):
+    its run count, base preset, fixed settings, and what its grid varies (seeds, arms, values)."""
+    import math
+    import tomllib
+
+    spec = tomllib.loads(path.read_text())
+    grid, fixed = spec.get("grid", {}), spec.get("set", {})
+    parts = []
+    for key, values in grid.items():
+        if "intervention.kind" in key:
+            names = key.split(",")
+            arms = [dict(zip(names, v, strict=True)) for v in values]
+            labels = [a["intervention.kind"] if a["intervention.kind"] in ("none", "hold") else
+                      f"{a['intervention.kind']} {a.get('intervention.on', 'key')} {a.get('intervention.ratio', 1):g}"
+                      for a in arms]  # fmt: skip
+            parts.append(f"{len(values)} arms ({', '.join(labels)})")
+        elif "seed" in key:
+            parts.append(f"{len(values)} seeds")
+        else:
+            parts.append(f"{key.split('.')[-1]} in {values}")
+    n_runs = math.prod(len(v) for v in grid.values())
+    settings = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in fixed.items() if not k.startswith("intervention."))
+    return f"{n_runs} runs on the {spec['sweep'].get('base', '?')} preset: {' x '.join(parts)}" + (
+        f"; {settings}" if settings else ""
+    )
+
+
+def _studies_help() -> str:
+    lines = ["study presets (generated from configs/study-*.toml):"]
+    for f in sorted(C.CONFIG_DIR.glob("study-*.toml")):
+        lines.append(f"  {f.stem.removeprefix('study-'):<20} {describe_study(f)}")
+    return "\n".join(lines)
 
 
 def _add_output_args(p: argparse.ArgumentParser, default: str) -> None:
@@ -85,7 +120,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def _add_sweep_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("sweep", help="a sweep TOML file or a study preset (smoke, cpu, paper, intervention-smoke, ...)")
+    p.add_argument("sweep", help="a sweep TOML file or a study preset (listed below under `study --help`)")
     _add_set_arg(p, "override a config field in every run, e.g. --set train.steps=50 (repeatable)")
     _add_output_args(p, "RUNS/<sweep name>")
     p.add_argument(
@@ -140,14 +175,15 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from qkgeom.report import format_claims, write_report
+    from qkgeom.report import format_verdicts, write_report
 
     _, out, res = _sweep(args)
     if res is None:  # --dry-run
         return 0
     a = _analyze(out)
-    print(format_claims(a.claims))
-    print(f"\nreport: {write_report(a)}\ntables: {out / 'claims.csv'}, {out / 'summary.csv'}")
+    report = write_report(a)
+    print(format_verdicts(a.claims))
+    print(f"\nall claims: {out / 'claims.csv'} (or qkgeom analyze {out})\nreport: {report}")
     return 1 if res.failed else 0
 
 
@@ -258,8 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "study",
         help="sweep -> analyze -> report in one command",
-        description="Run a study preset (smoke, cpu, paper, intervention-smoke, intervention-cpu) or "
-        "sweep file end to end and print where the report is.",
+        description="Run a study preset or sweep file end to end (sweep -> analyze -> report); it ends with the "
+        "verdict table and the report's path.",
+        epilog=_studies_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_sweep_args(p)
     p.set_defaults(fn=cmd_study)

@@ -135,6 +135,13 @@ def verdicts_html(table: pd.DataFrame) -> str:
     return f"<table class='verdicts'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
+def format_verdicts(claims: pd.DataFrame) -> str:
+    """The verdict table as aligned text: what `qkgeom study` ends with."""
+    table = verdicts(claims).drop(columns=["reading"])
+    with pd.option_context("display.width", 250, "display.max_colwidth", 80, "display.max_rows", 500):
+        return "VERDICTS (mde_80: the smallest effect each row could detect)\n" + table.to_string(index=False)
+
+
 def format_claims(claims: pd.DataFrame) -> str:
     """The verdicts first, then the claims table per group, as aligned text for the terminal."""
     show = claims[~claims["group"].str.startswith("layer=")].copy()

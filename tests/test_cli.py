@@ -1,0 +1,58 @@
+"""cli: help that agrees with the study files, --version, and errors a user can trust (bad input:
+one line, exit 2; a bug: traceback, exit 1)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from qkgeom import config as C
+from qkgeom import sweep as S
+from qkgeom.analysis import arm_label
+from tests.conftest import REPO
+
+
+def qk(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "qkgeom.cli", *args], capture_output=True, text=True, cwd=REPO, env=env
+    )
+
+
+def test_study_help_agrees_with_every_study_file():
+    text = qk("study", "--help").stdout
+    for f in sorted(C.CONFIG_DIR.glob("study-*.toml")):
+        name = f.stem.removeprefix("study-")
+        runs = S.expand(S.load_sweep(name))  # the runs the study really has
+        line = next(x for x in text.splitlines() if x.strip().startswith(name + " "))
+        assert f"{len(runs)} runs on the " in line, line
+        arms = {arm_label(C.to_dict(r.config)["intervention"]) for r in runs}
+        if len(arms) > 1:
+            assert f"{len(arms)} arms" in line, line
+
+
+def test_version():
+    r = qk("--version")
+    assert r.returncode == 0 and r.stdout.startswith("qkgeom ")
+
+
+def test_a_bug_shows_its_traceback_and_exits_1(tmp_path):
+    # a deliberately raised internal error: not a user's mistake, so no one-line "error:"
+    code = (
+        "import sys; import qkgeom.cli as cli; "
+        "cli.cmd_analyze = lambda args: (_ for _ in ()).throw(KeyError('internal'));"
+        "cli.build_parser.__globals__['cmd_analyze'] = cli.cmd_analyze; sys.exit(cli.main(['analyze', sys.argv[1]]))"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and "Traceback" in r.stderr and "this is a bug in qkgeom" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("debug, traceback", [("", False), ("1", True)])
+def test_bad_input_is_one_line_unless_debugging(tmp_path, debug, traceback):
+    import os
+
+    env = dict(os.environ, QKGEOM_DEBUG=debug)
+    r = qk("analyze", str(tmp_path), env=env)
+    assert r.returncode == 2 and "no finished runs" in r.stderr
+    assert ("Traceback" in r.stderr) == traceback
+    if not traceback:
+        assert r.stderr.count("\n") == 1
