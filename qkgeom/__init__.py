@@ -27,3 +27,16 @@ def measure(q, k, pattern=None, causal: bool = True, w_q=None, w_k=None) -> pd.D
     from qkgeom.probe import measure as _measure
 
     return _measure(q, k, pattern, causal, w_q, w_k)
+
+
+def analyse(model, batches, logit_max_seqs: int | None = 4) -> pd.DataFrame:
+    """Geometry rows of a supported Hugging Face model already in memory (see the README's table),
+    streamed over `batches` of input ids (B, T): layer, head, site, metric, value. The model's own
+    attention is used (captured through transformers' attention interface); nothing is written.
+    For other models, read q, k with hooks and call `measure`."""
+    import pandas as pd
+
+    from qkgeom.pretrained import analyse_model
+
+    rows, _ = analyse_model(model, iter(batches), logit_max_seqs=logit_max_seqs)
+    return pd.DataFrame(rows)

@@ -327,3 +327,54 @@ def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
             f"{rd.path} has no checkpoints to export (train with --set train.keep_checkpoints=log to keep a family)"
         )
     return written
+
+
+# the per-layer columns a single-model report shows (one site each, archs.SITE_PREFERENCE)
+LAYER_TABLE = {
+    "query_participation_ratio": "PR_Q",
+    "key_participation_ratio": "PR_K",
+    "participation_ratio_contrast": "PR_Q - PR_K",
+    "attention_entropy_normalised": "entropy / uniform",
+    "interaction_rank": "interaction rank",
+    "logit_participation_ratio": "logit PR",
+}
+
+
+def layer_table(geometry: pd.DataFrame, revision: str) -> pd.DataFrame:
+    """One model's compact per-layer table: LAYER_TABLE's metrics at one site each, no empty column."""
+    g = geometry[(geometry["revision"] == revision) & (geometry["head"] == -1)]
+    cols = {}
+    for metric, label in LAYER_TABLE.items():
+        rows = archs.one_site(g[g["metric"] == metric])
+        if len(rows) and rows["value"].notna().any():
+            cols[label] = rows.set_index("layer")["value"]
+    return pd.DataFrame(cols).rename_axis("layer").reset_index()
+
+
+def model_headline(geometry: pd.DataFrame, revision: str) -> pd.DataFrame:
+    """A single model's answer: layers with PR_Q > PR_K (count, share), the median contrast over
+    layers with its order-statistic 95% interval, and the across-heads Spearman correlation of
+    interaction rank with attention entropy with its Fisher-z 95% interval."""
+    g = geometry[geometry["revision"] == revision]
+    contrast = archs.one_site(g[(g["metric"] == "participation_ratio_contrast") & (g["head"] == -1)])["value"]
+    med, lo, hi = stats.median_ci(contrast.to_numpy())
+    heads = g[g["head"] >= 0]
+    ir = archs.one_site(heads[heads["metric"] == "interaction_rank"]).set_index(["layer", "head"])["value"]
+    en = archs.one_site(heads[heads["metric"] == "attention_entropy"]).set_index(["layer", "head"])["value"]
+    both = pd.concat([ir.rename("ir"), en.rename("en")], axis=1, join="inner").dropna()
+    rho, rlo, rhi, n = stats.spearman_ci(both["ir"].to_numpy(), both["en"].to_numpy())
+    positive = int((contrast > 0).sum())
+
+    def ci(a: float, b: float) -> str:
+        return "n/a (too few)" if not np.isfinite(a) else f"[{a:.3g}, {b:.3g}]"
+
+    return pd.DataFrame(
+        [
+            ("layers with PR_Q > PR_K", f"{positive}/{len(contrast)} ({positive / max(len(contrast), 1):.0%})", "",
+             f"{len(contrast)} layers"),
+            ("median PR_Q - PR_K over layers", f"{med:+.3g}", ci(lo, hi), "order-statistic interval over layers"),
+            ("interaction rank vs attention entropy across heads (Spearman)", f"{rho:+.3f}", ci(rlo, rhi),
+             f"{n} heads, Fisher-z interval"),
+        ],
+        columns=["statistic", "value", "95% interval", "over"],
+    )  # fmt: skip

@@ -381,6 +381,8 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
     atomic_write_bytes(path / "trends.csv", trends.to_csv(index=False).encode())
     out = path / "report"
     out.mkdir(parents=True, exist_ok=True)
+    if len(revs) == 1:
+        return _write_model_report(path, geometry, revs)
     parts = [
         f"<h1>qkgeom checkpoint family: {html.escape(path.name)}</h1>",
         f"<p>{len(revs)} revisions; early window: steps &le; {early_max_step}. Revisions whose weights hash "
@@ -419,3 +421,30 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
     )
     atomic_write_bytes(out / "index.html", doc.encode())
     return out / "index.html"
+
+
+def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) -> Path:
+    """One model (one revision): a headline, a compact per-layer table and the per-head figure."""
+    from qkgeom.family import layer_table, model_headline
+
+    info, rev = revs.iloc[0], revs["revision"].iloc[0]
+    name = f"{info['model']}" + (f" @ {rev}" if rev != "main" else "")
+    png = _png(plots.model_heads(geometry, rev))
+    atomic_write_bytes(path / "report" / "model_heads.png", png)
+    parts = [
+        f"<h1>model: {html.escape(name)}</h1>",
+        f"<p>{int(info['n_tokens']):,} tokens of text; the logit-spectrum rows (logit PR) are averages over the first "
+        f"{int(info['logit_seqs'])} sequences only (a sample: each needs T &times; T eigen-solves).</p>",
+        "<h2>Headline</h2>",
+        model_headline(geometry, rev).to_html(index=False, escape=True),
+        f"<figure><img alt='model_heads' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+        "<figcaption>Per layer and per head (model_heads.png)</figcaption></figure>",
+        "<h2>Per-layer values</h2>",
+        layer_table(geometry, rev).to_html(index=False, float_format=lambda v: f"{v:.3g}"),
+    ]
+    doc = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>qkgeom model: {html.escape(name)}</title>"
+        f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
+    )
+    atomic_write_bytes(path / "report" / "index.html", doc.encode())
+    return path / "report" / "index.html"

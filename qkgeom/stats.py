@@ -198,3 +198,30 @@ def fieller_ratio_ci(num: np.ndarray, den: np.ndarray, level: float = 0.95) -> t
         return float(ratio), -math.inf, math.inf
     root = math.sqrt(disc)
     return float(ratio), float((-qb - root) / (2 * qa)), float((-qb + root) / (2 * qa))
+
+
+def median_ci(values: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
+    """(median, low, high): the distribution-free interval for the median from order statistics
+    (binomial(n, 1/2) ranks; coverage >= level for any continuous distribution). NaNs below n = 6,
+    where no pair of order statistics reaches 95%."""
+    v = np.sort(np.asarray(values, float)[np.isfinite(values)])
+    n = len(v)
+    if n == 0:
+        return math.nan, math.nan, math.nan
+    med = float(np.median(v))
+    j = int(S.binom.ppf((1 - level) / 2, n, 0.5))  # P(B < j) <= (1 - level) / 2
+    while j > 0 and 1 - 2 * S.binom.cdf(j - 1, n, 0.5) < level:
+        j -= 1
+    if j < 1:
+        return med, math.nan, math.nan
+    return med, float(v[j - 1]), float(v[n - j])
+
+
+def spearman_ci(x: np.ndarray, y: np.ndarray, level: float = 0.95) -> tuple[float, float, float, int]:
+    """(rho, low, high, n): Spearman's rho with the Fisher-z interval of Fieller, Hartley and Pearson
+    (standard error sqrt(1.06 / (n - 3))). NaNs below n = 4."""
+    rho, _, n = spearman(x, y)
+    if not math.isfinite(rho) or n < 4:
+        return rho, math.nan, math.nan, n
+    z, half = math.atanh(min(max(rho, -0.999999), 0.999999)), S.norm.ppf((1 + level) / 2) * math.sqrt(1.06 / (n - 3))
+    return rho, math.tanh(z - half), math.tanh(z + half), n

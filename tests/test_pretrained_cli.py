@@ -41,7 +41,8 @@ def test_pretrained_cli_to_report_and_family(name, wikitext, tmp_path, capsys):
     assert main(["pretrained", str(one), "--out", str(out), *SMALL_RUN]) == 0, capsys.readouterr().err
     index = out / "report" / "index.html"
     first = index.read_text()
-    assert "model_heads" in first
+    assert "model_heads" in first and "<h1>model: " in first and "checkpoint family" not in first
+    assert "layers with PR_Q &gt; PR_K" in first and "interaction rank vs attention entropy" in first
     index.unlink()
     assert main(["report", str(out)]) == 0, capsys.readouterr().err  # re-render from the finished folder
     assert index.is_file()

@@ -105,3 +105,18 @@ def test_fieller_interval_reduces_to_t_interval_and_opens_on_a_weak_denominator(
     assert (r, lo, hi) == pytest.approx((a.mean() / 2, tlo / 2, thi / 2))
     r, lo, hi = stats.fieller_ratio_ci(a, np.array([0.1, -0.2, 0.3, -0.1, 0.05, -0.1]))  # covers 0
     assert (lo, hi) == (-np.inf, np.inf)
+
+
+def test_median_ci_order_statistics_known_ranks():
+    # n = 10: the 95% interval is (x_(2), x_(9)), coverage 1 - 2 P(B <= 1) = 0.9785
+    med, lo, hi = stats.median_ci(np.arange(1.0, 11.0))
+    assert (med, lo, hi) == (5.5, 2.0, 9.0)
+    assert np.isnan(stats.median_ci([1.0, 2.0, 3.0])[1])  # n = 3 cannot reach 95%
+
+
+def test_spearman_ci_fisher_z():
+    x = np.arange(20.0)
+    y = x + np.random.default_rng(0).normal(0, 5, 20)
+    rho, lo, hi, n = stats.spearman_ci(x, y)
+    half = 1.959964 * np.sqrt(1.06 / 17)
+    assert n == 20 and (lo, hi) == pytest.approx((np.tanh(np.arctanh(rho) - half), np.tanh(np.arctanh(rho) + half)))
