@@ -334,3 +334,33 @@ def slope_by_depth(per_run: pd.DataFrame) -> Figure:
     axes[1].legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def layer_trajectories(df: pd.DataFrame) -> Figure:
+    """One run: PR_Q and PR_K of every layer against step (symlog, from 0), one panel per layer, the
+    post-transient window shaded when known."""
+    from matplotlib.ticker import MaxNLocator
+
+    rows = df[(df["head"] == -1) & df["metric"].isin(["query_participation_ratio", "key_participation_ratio"])]
+    layers = sorted(rows["layer"].unique())
+    cols = min(4, len(layers))
+    nrows = -(-len(layers) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.8 * nrows), squeeze=False, sharex=True)
+    for ax in axes.flat[len(layers) :]:
+        ax.set_visible(False)
+    for ax, layer in zip(axes.flat, layers, strict=False):
+        for side in ("query", "key"):
+            s = rows[(rows["layer"] == layer) & (rows["metric"] == f"{side}_participation_ratio")].sort_values("step")
+            ax.plot(s["step"], s["value"], "-o", ms=2, color=COLORS[side], label=f"PR_{side[0].upper()}")
+        if "transient_end" in rows:
+            ax.axvspan(rows["transient_end"].iloc[0], rows["step"].max(), color="0.9", zorder=0)
+        ax.set_xscale("symlog", linthresh=10)
+        ax.set_xlim(left=0)
+        ax.yaxis.set_major_locator(MaxNLocator(5))
+        ax.set_title(f"layer {layer}", fontsize=9)
+        ax.set_xlabel("step")
+    axes.flat[0].set_ylabel("participation ratio")
+    axes.flat[0].legend(fontsize=7)
+    fig.suptitle("PR_Q and PR_K per layer (grey: post-transient window)", fontsize=10)
+    fig.tight_layout()
+    return fig

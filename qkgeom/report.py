@@ -297,7 +297,7 @@ def context_box(a: Analysis) -> list[str]:
     if preset in PIPELINE_PRESETS or (ctx["final_valid_loss"] > 0.9 * ctx["unigram_baseline"]).any():
         out.append(
             "<p class='warn'><b>This is a pipeline check, not the science.</b> These models are far too small or "
-            "too briefly trained (loss near the unigram baseline, attention near uniform) for the verdicts below "
+            "too briefly trained (loss near the unigram baseline, attention near uniform) for the numbers below "
             "to say anything about the paper's claims; they show that every stage runs.</p>"
         )
     return out
@@ -321,6 +321,8 @@ def write_report(a: Analysis) -> Path:
     for c in ("value", "ci_low", "ci_high", "p_value"):
         claims[c] = claims[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
     n_runs = a.geometry["run_id"].nunique()
+    if n_runs == 1:
+        return _write_run_report(a)
     parts = [
         f"<h1>qkgeom report: {html.escape(a.path.name)}</h1>",
         f"<p>{n_runs} finished runs; generated {time.strftime('%Y-%m-%d %H:%M:%S')}. Windows: <b>whole</b> run and "
@@ -360,6 +362,49 @@ def write_report(a: Analysis) -> Path:
     parts += ["<h2>Provenance</h2>", _provenance(a).to_html(index=False, escape=True)]
     doc = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>qkgeom report: {html.escape(a.path.name)}"
+        f"</title><style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
+    )
+    atomic_write_bytes(out / "index.html", doc.encode())
+    return out / "index.html"
+
+
+RUN_TABLE = {
+    "slope:query_participation_ratio": "PR_Q slope (PR per run)",
+    "slope:key_participation_ratio": "PR_K slope (PR per run)",
+    "slope:participation_ratio_contrast": "contrast slope (PR per run)",
+    "contrast_mean": "mean PR_Q - PR_K",
+    "rho:key_participation_ratio:attention_entropy": "PR_K ~ entropy co-movement (Spearman of differences)",
+}
+
+
+def _write_run_report(a: Analysis) -> Path:
+    """One run: no seeds, so no intervals and no verdicts; per-layer post-transient statistics and
+    per-layer trajectories instead."""
+    out = a.path / "report"
+    g = a.geometry
+    per_layer = A.per_run_statistics(A.window(g, "post-transient"))[["layer", *RUN_TABLE]].rename(columns=RUN_TABLE)
+    figs = {
+        "layer_trajectories": ("PR_Q and PR_K of every layer against step.", plots.layer_trajectories(g)),
+        "loss": ("Validation loss.", plots.loss_curves(a.metrics, "qk_init")),
+    }
+    parts = [
+        f"<h1>run: {html.escape(a.path.name)}</h1>",
+        *context_box(a),
+        f"<p>One run: statistics per layer over the post-transient window (from step {int(g['transient_end'].iloc[0])}"
+        "); claims need several seeds (a study) for intervals and verdicts.</p>",
+        "<h2>Per layer, post-transient</h2>",
+        per_layer.to_html(index=False, float_format=lambda v: f"{v:.3g}"),
+    ]
+    for name, (cap, fig) in figs.items():
+        png = _png(fig)
+        atomic_write_bytes(out / f"{name}.png", png)
+        parts.append(
+            f"<figure><img alt='{name}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
+            f"<figcaption>{html.escape(cap)} ({name}.png)</figcaption></figure>"
+        )
+    parts += ["<h2>Provenance</h2>", _provenance(a).to_html(index=False, escape=True)]
+    doc = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>qkgeom run: {html.escape(a.path.name)}"
         f"</title><style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
     )
     atomic_write_bytes(out / "index.html", doc.encode())
