@@ -29,9 +29,8 @@ def main(pairs: list[str]) -> int:
             height = driver.execute_script("return document.documentElement.scrollHeight")
             ok = all(c and w > 100 for c, w in images) and overflow <= 0
             bad += not ok
-            print(
-                f"{name}: {len(images)} images loaded, overflow {overflow} px, height {height} px: {'ok' if ok else 'FAIL'}"
-            )
+            verdict = "ok" if ok else "FAIL"
+            print(f"{name}: {len(images)} images loaded, overflow {overflow} px, height {height} px: {verdict}")
             driver.set_window_size(1280, min(height + 100, 6000))
             driver.save_screenshot(str(Path(__file__).parent / f"{name}.png"))
             driver.set_window_size(1280, 900)
