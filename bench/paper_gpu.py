@@ -33,6 +33,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="the GPU's dense bf16 peak (default 989)")
+    ap.add_argument(
+        "--budget-minutes", type=float, default=40.0,
+        help="GPU minutes for `qkgeom study gpu-hour` (default 40): prints the steps per run it affords",
+    )  # fmt: skip
     args = ap.parse_args()
     require_wikitext()
     if not torch.cuda.is_available():
@@ -48,6 +52,7 @@ def main() -> None:
         f"train.checkpoint_every={max(1, round(full.train.checkpoint_every * f))}",
     ]
     print(f"device: {torch.cuda.get_device_name(0)}; paper preset, {args.steps} steps")
+    best = 0.0
     for compiled in (False, True):
         cfg = C.load("paper", [*base, f"train.compile={'true' if compiled else 'false'}"])
         n_params = sum(p.numel() for p in GPT(cfg.model, 284).parameters())
@@ -63,6 +68,22 @@ def main() -> None:
             f"of {seconds:.1f} s (compile time included)",
             flush=True,
         )
+        best = max(best, tps)
+    # sizing the pre-registered study (configs/study-gpu-hour.toml): its runs one after another
+    import tomllib
+
+    spec = tomllib.loads((C.CONFIG_DIR / "study-gpu-hour.toml").read_text())
+    n_runs = 1
+    for values in spec["grid"].values():
+        n_runs *= len(values)
+    tokens_per_step = full.train.batch_size * full.model.n_ctx
+    steps = int(args.budget_minutes * 60 * best / n_runs / tokens_per_step)
+    planned = spec["set"]["train.steps"]
+    fit = "fits" if steps >= planned else "LOWER train.steps before running"
+    print(
+        f"gpu-hour study: {n_runs} runs in {args.budget_minutes:g} min at {best:.0f} tokens/s afford {steps} steps "
+        f"per run (the study file plans {planned}: {fit})"
+    )
 
 
 if __name__ == "__main__":
