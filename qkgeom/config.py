@@ -308,7 +308,7 @@ def to_dict(cfg: Any) -> dict[str, Any]:
     return fix(out)
 
 
-def _parse_scalar(text: str) -> Any:
+def parse_scalar(text: str) -> Any:
     """Parse an override value with TOML rules; bare words are strings."""
     try:
         return tomllib.loads(f"v = {text}")["v"]
@@ -331,7 +331,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override key {key!r} does not name a config field")
-        value = _parse_scalar(text.strip())
+        value = parse_scalar(text.strip())
         if isinstance(node.get(parts[-1]), dict) or (isinstance(value, dict) and len(parts) == 1):
             # `--set model={...}` used to replace the whole [model] table, silently dropping the rest
             raise ConfigError(f"override {key!r} names a table; set its fields one by one ({key}.FIELD=value)")

@@ -82,10 +82,16 @@ def _worker_init() -> None:
         pass
 
 
+def pool_internals(pool: ProcessPoolExecutor) -> tuple[list, threading.Thread | None]:
+    """The pool's worker processes and its manager thread. PRIVATE CPython attributes (3.9-3.13):
+    concurrent.futures has no public way to terminate running workers, and shutdown() forgets
+    them. tests/test_executor_private.py fails loudly if a Python release renames them."""
+    return list((pool._processes or {}).values()), pool._executor_manager_thread
+
+
 def _stop(pool: ProcessPoolExecutor) -> None:
     """Cancel queued jobs and end running ones now (resumable jobs lose nothing finished)."""
-    procs = list((pool._processes or {}).values())  # shutdown() forgets them: take them first
-    manager = pool._executor_manager_thread
+    procs, manager = pool_internals(pool)  # shutdown() forgets them: take them first
     pool.shutdown(wait=False, cancel_futures=True)
     for p in procs:
         p.terminate()

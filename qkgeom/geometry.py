@@ -31,6 +31,7 @@ class NumericalWarning(UserWarning):
 
 
 _POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
 
 
 @contextmanager
@@ -61,9 +62,9 @@ def batched_eigvalsh(mat: Tensor) -> Tensor:
     n = mat.shape[-1]
     if k < 2 or flat.shape[0] < 2 * k or flat.shape[0] * n**3 < 2**24 or mat.device.type != "cpu":  # ~5 ms
         return torch.linalg.eigvalsh(mat)
-    global _POOL
-    if _POOL is None or _POOL._max_workers != k:
-        _POOL = ThreadPoolExecutor(k, thread_name_prefix="qkgeom-eigvalsh")
+    global _POOL, _POOL_SIZE
+    if _POOL is None or _POOL_SIZE != k:  # our own record of its size: no private attribute needed
+        _POOL, _POOL_SIZE = ThreadPoolExecutor(k, thread_name_prefix="qkgeom-eigvalsh"), k
     with one_thread():  # one LAPACK thread per chunk: k chunks side by side
         parts = list(_POOL.map(torch.linalg.eigvalsh, flat.chunk(k)))
     return torch.cat(parts).reshape(mat.shape[:-1])

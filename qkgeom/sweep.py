@@ -88,7 +88,7 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
                 f"--set {key.strip()} names a grid key of {p.name}, which the grid would override; "
                 "edit the sweep's [grid] (or copy the file) instead"
             )
-        fixed[key.strip()] = C._parse_scalar(text.strip())
+        fixed[key.strip()] = C.parse_scalar(text.strip())
     spec = SweepSpec(
         name=head.get("name", p.stem),
         base=head.get("base", "tiny"),
