@@ -164,7 +164,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from qkgeom.report import write_family_report, write_report
+    from qkgeom.family_report import write_family_report
+    from qkgeom.report import write_report
     from qkgeom.results import is_pretrained_output
 
     if is_pretrained_output(args.dir):  # a model or checkpoint family from `qkgeom pretrained`
@@ -207,11 +208,13 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
         "early_max_step": args.early_max_step,
     }  # flags given on the command line override the --config file; --set overrides both
     overrides = [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None] + args.overrides
-    pc = C.load_pretrained(args.config, overrides)
+    from qkgeom.pretrained_config import load_pretrained
+
+    pc = load_pretrained(args.config, overrides)
     from transformers.utils import logging as hf_logging
 
     from qkgeom.family import run_pretrained
-    from qkgeom.report import write_family_report
+    from qkgeom.family_report import write_family_report
 
     hf_logging.disable_progress_bar()  # per-revision weight-loading bars drown the overall one
     hf_logging.set_verbosity_error()
@@ -314,7 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "model", help="hub name (EleutherAI/pythia-70m) or local folder (also one with a folder per revision)"
     )
-    p.add_argument("--config", help="a TOML file with a [pretrained] table (fields of qkgeom.config.PretrainedConfig)")
+    p.add_argument(
+        "--config", help="a TOML file with a [pretrained] table (fields of qkgeom.pretrained_config.PretrainedConfig)"
+    )
     _add_set_arg(p, "override a field, e.g. --set logit_max_seqs=16 (repeatable; the flags below are shortcuts)")
     p.add_argument("--revision", action="append", default=[], help="revision (repeatable), e.g. step1000")
     p.add_argument("--family", choices=["pythia"], help="add a built-in revision schedule")

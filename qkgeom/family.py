@@ -21,6 +21,7 @@ import torch
 
 from qkgeom import archs, stats
 from qkgeom import config as C
+from qkgeom.pretrained_config import PretrainedConfig
 from qkgeom.results import DamagedRunError, RunDir, provenance, read_json, write_json
 
 PYTHIA_TOKENS_PER_STEP = 2_097_152  # 1024 sequences x 2048 tokens
@@ -54,7 +55,7 @@ TokensFn = Callable[[str], tuple[np.ndarray, tuple[int, ...]]]  # model folder -
 
 
 def analyse_revision(
-    pc: C.PretrainedConfig, revision: str | None, out: Path, tokens_fn: TokensFn, progress: bool = False
+    pc: PretrainedConfig, revision: str | None, out: Path, tokens_fn: TokensFn, progress: bool = False
 ) -> Path:
     """Analyse one revision of pc.model into `out/<revision>/` unless already done; returns the folder."""
     from qkgeom.pretrained import analyse_model, load_model, resolve_revision, token_batches, weights_digest
@@ -109,7 +110,7 @@ def analyse_revision(
 
 
 def analyse_family(
-    pc: C.PretrainedConfig,
+    pc: PretrainedConfig,
     revisions: list[str | None],
     out: Path,
     tokens_fn: TokensFn,
@@ -134,7 +135,7 @@ def analyse_family(
     return folders
 
 
-def family_revisions(pc: C.PretrainedConfig) -> list[str | None]:
+def family_revisions(pc: PretrainedConfig) -> list[str | None]:
     """The revisions a config names: its list, its family schedule, every sub-folder of a local
     folder (ordered by step), or [None] (the default revision)."""
     revisions: list[str | None] = list(pc.revisions)
@@ -151,7 +152,7 @@ def family_revisions(pc: C.PretrainedConfig) -> list[str | None]:
     return revisions or [None]
 
 
-def sample_text(pc: C.PretrainedConfig) -> str:
+def sample_text(pc: PretrainedConfig) -> str:
     """The text to stream: pc.text, or WikiText-2 validation (raw where the mirror has it)."""
     from qkgeom.data import resolve_source, wikitext_mirror
 
@@ -166,7 +167,7 @@ def sample_text(pc: C.PretrainedConfig) -> str:
 
 
 def run_pretrained(
-    pc: C.PretrainedConfig, out: Path, executor: str = "local", address: str | None = None, progress: bool = True
+    pc: PretrainedConfig, out: Path, executor: str = "local", address: str | None = None, progress: bool = True
 ) -> list[Path]:
     """The whole `qkgeom pretrained` job: revisions, text, tokens (the model's own tokenizer, or the
     vocabulary of an exported qkgeom run), then every revision analysed into out/<revision>/."""

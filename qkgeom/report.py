@@ -310,6 +310,25 @@ code{background:#f5f5f5;padding:0 3px}
 .context{background:#eef3fb;border:1px solid #bcd;padding:.6em 1em;margin:1em 0}"""
 
 
+def _figure_html(name: str, png: bytes, caption: str) -> str:
+    """A figure embedded as a data URI, captioned with its PNG's file name."""
+    data = base64.b64encode(png).decode()
+    return (
+        f"<figure><img alt='{name}' src='data:image/png;base64,{data}'>"
+        f"<figcaption>{html.escape(caption)} ({name}.png)</figcaption></figure>"
+    )
+
+
+def _write_page(out: Path, title: str, parts: list[str]) -> Path:
+    """out/index.html: one self-contained page (figures inline, the shared CSS)."""
+    doc = (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
+    )
+    atomic_write_bytes(out / "index.html", doc.encode())
+    return out / "index.html"
+
+
 def write_report(a: Analysis) -> Path:
     """Write <dir>/report/index.html (self-contained) and report/*.png for an analysed folder."""
     out = a.path / "report"
@@ -343,11 +362,7 @@ def write_report(a: Analysis) -> Path:
         parts.append("<p class='warn'>Skipped: " + "<br>".join(html.escape(s) for s in a.skipped) + "</p>")
     parts.append("<h2>Figures</h2>")
     for name, (cap, png) in figs.items():
-        data = base64.b64encode(png).decode()
-        parts.append(
-            f"<figure><img alt='{name}' src='data:image/png;base64,{data}'>"
-            f"<figcaption>{html.escape(cap)} ({name}.png)</figcaption></figure>"
-        )
+        parts.append(_figure_html(name, png, cap))
     parts += [
         "<details><summary><b>Full claims table</b> (every group and window)</summary>",
         claims.to_html(index=False, escape=True),
@@ -360,12 +375,7 @@ def write_report(a: Analysis) -> Path:
             "</details>",
         ]
     parts += ["<h2>Provenance</h2>", _provenance(a).to_html(index=False, escape=True)]
-    doc = (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>qkgeom report: {html.escape(a.path.name)}"
-        f"</title><style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
-    )
-    atomic_write_bytes(out / "index.html", doc.encode())
-    return out / "index.html"
+    return _write_page(out, f"qkgeom report: {a.path.name}", parts)
 
 
 RUN_TABLE = {
@@ -398,98 +408,6 @@ def _write_run_report(a: Analysis) -> Path:
     for name, (cap, fig) in figs.items():
         png = _png(fig)
         atomic_write_bytes(out / f"{name}.png", png)
-        parts.append(
-            f"<figure><img alt='{name}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
-            f"<figcaption>{html.escape(cap)} ({name}.png)</figcaption></figure>"
-        )
+        parts.append(_figure_html(name, png, cap))
     parts += ["<h2>Provenance</h2>", _provenance(a).to_html(index=False, escape=True)]
-    doc = (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>qkgeom run: {html.escape(a.path.name)}"
-        f"</title><style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
-    )
-    atomic_write_bytes(out / "index.html", doc.encode())
-    return out / "index.html"
-
-
-def write_family_report(path: str | Path, early_max_step: int | None = None) -> Path:
-    """Tables (revisions.csv, trends.csv, geometry.parquet) and report/index.html of a checkpoint family.
-    early_max_step: the early window's end; by default the one the family was analysed with."""
-    from qkgeom.family import family_trends, load_family
-
-    path = Path(path)
-    geometry, revs = load_family(path)
-    if early_max_step is None:
-        first = next(d for d in sorted(path.iterdir()) if RunDir(d).is_done())
-        early_max_step = read_json(RunDir(first).config).get("pretrained_config", {}).get("early_max_step", 1000)
-    trends = family_trends(geometry, early_max_step)
-    atomic_write_bytes(path / "revisions.csv", revs.to_csv(index=False).encode())
-    atomic_write_bytes(path / "trends.csv", trends.to_csv(index=False).encode())
-    out = path / "report"
-    out.mkdir(parents=True, exist_ok=True)
-    if len(revs) == 1:
-        return _write_model_report(path, geometry, revs)
-    parts = [
-        f"<h1>qkgeom checkpoint family: {html.escape(path.name)}</h1>",
-        f"<p>{len(revs)} revisions; early window: steps &le; {early_max_step}. Revisions whose weights hash "
-        "identically to an earlier one are flagged (public checkpoint suites are known to serve duplicated "
-        "revisions). Every token enters the covariances and entropies; the logit-spectrum rows (logit_*) are "
-        "averages over the first <code>logit_seqs</code> sequences only (the same sequences in every "
-        "revision), a sample, since each needs T &times; T eigen-solves.</p>",
-    ]
-    figures = []
-    if geometry["step"].ge(0).any():
-        figures.append(("family_contrast", plots.family_contrast(geometry, revs), "PR_Q - PR_K per layer against step"))
-    for rev in list(revs["revision"])[-1:] if len(revs) > 1 else list(revs["revision"]):
-        figures.append(("model_heads", plots.model_heads(geometry, rev), f"{rev}: per layer and per head"))
-    for name, fig, caption in figures:
-        png = _png(fig)
-        atomic_write_bytes(out / f"{name}.png", png)
-        parts.append(
-            f"<figure><img alt='{name}' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
-            f"<figcaption>{html.escape(caption)} ({name}.png)</figcaption></figure>"
-        )
-    layer_values = geometry[geometry["head"] == -1].pivot_table(
-        index=["revision", "site", "layer"], columns="metric", values="value"
-    )
-    parts += [
-        "<h2>Trend statistics</h2>",
-        trends.to_html(index=False, float_format=lambda v: f"{v:.4g}"),
-        "<h2>Revisions</h2>",
-        revs.to_html(index=False),
-        "<details><summary><b>Per-layer values</b></summary>",
-        layer_values.reset_index().to_html(index=False, float_format=lambda v: f"{v:.4g}"),
-        "</details>",
-    ]
-    doc = (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>qkgeom family: {html.escape(path.name)}</title>"
-        f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
-    )
-    atomic_write_bytes(out / "index.html", doc.encode())
-    return out / "index.html"
-
-
-def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) -> Path:
-    """One model (one revision): a headline, a compact per-layer table and the per-head figure."""
-    from qkgeom.family import layer_table, model_headline
-
-    info, rev = revs.iloc[0], revs["revision"].iloc[0]
-    name = f"{info['model']}" + (f" @ {rev}" if rev != "main" else "")
-    png = _png(plots.model_heads(geometry, rev))
-    atomic_write_bytes(path / "report" / "model_heads.png", png)
-    parts = [
-        f"<h1>model: {html.escape(name)}</h1>",
-        f"<p>{int(info['n_tokens']):,} tokens of text; the logit-spectrum rows (logit PR) are averages over the first "
-        f"{int(info['logit_seqs'])} sequences only (a sample: each needs T &times; T eigen-solves).</p>",
-        "<h2>Headline</h2>",
-        model_headline(geometry, rev).to_html(index=False, escape=True),
-        f"<figure><img alt='model_heads' src='data:image/png;base64,{base64.b64encode(png).decode()}'>"
-        "<figcaption>Per layer and per head (model_heads.png)</figcaption></figure>",
-        "<h2>Per-layer values</h2>",
-        layer_table(geometry, rev).to_html(index=False, float_format=lambda v: f"{v:.3g}"),
-    ]
-    doc = (
-        f"<!doctype html><html><head><meta charset='utf-8'><title>qkgeom model: {html.escape(name)}</title>"
-        f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
-    )
-    atomic_write_bytes(path / "report" / "index.html", doc.encode())
-    return path / "report" / "index.html"
+    return _write_page(out, f"qkgeom run: {a.path.name}", parts)

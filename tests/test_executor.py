@@ -5,6 +5,7 @@ import json
 import pytest
 
 from qkgeom import sweep as S
+from qkgeom.pretrained_config import load_pretrained
 from qkgeom.results import RunDir
 from tests.test_sweep import write_sweep
 
@@ -47,9 +48,8 @@ def test_ray_family_equals_local(tmp_path, local_ray):
     F.export_run(rd.path, tmp_path / "hf")
     tokens = np.arange(2048) % 50
     revs = ["step_0", "step_3", "step_6"]
-    from qkgeom import config as C
 
-    pc = C.load_pretrained(overrides=[f'model="{tmp_path / "hf"}"', "n_tokens=1024", "seq_len=32", "batch_size=4"])
+    pc = load_pretrained(overrides=[f'model="{tmp_path / "hf"}"', "n_tokens=1024", "seq_len=32", "batch_size=4"])
     F.analyse_family(pc, revs, tmp_path / "ray", lambda _: (tokens, ()), executor="ray", progress=False)
     F.analyse_family(pc, revs, tmp_path / "local", lambda _: (tokens, ()), progress=False)
     (ga, ra), (gb, rb) = F.load_family(tmp_path / "ray"), F.load_family(tmp_path / "local")

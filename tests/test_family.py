@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-from qkgeom import config as C
 from qkgeom import family as F
 from qkgeom import pretrained as P
 from qkgeom.data import fixed_offsets, gather, load_corpus
 from qkgeom.model import GPT
+from qkgeom.pretrained_config import load_pretrained
 from qkgeom.probe import probe_gpt
 from qkgeom.train import train
 from tests.conftest import tiny_config
@@ -83,9 +83,7 @@ def test_family_resume_hashing_and_trends(exported, tmp_path):
     corpus = load_corpus(cfg.data)
     tokens = np.asarray(corpus.splits["valid"][:4096], dtype=np.int64)
     out = tmp_path / "fam"
-    pc = C.load_pretrained(
-        overrides=[f"model={json.dumps(str(hf_root))}", "n_tokens=2048", "seq_len=32", "batch_size=8"]
-    )
+    pc = load_pretrained(overrides=[f"model={json.dumps(str(hf_root))}", "n_tokens=2048", "seq_len=32", "batch_size=8"])
     for rev in ("step_0", "step_6", "step_12"):
         F.analyse_revision(pc, rev, out, lambda _: (tokens, ()))
     stamp = (out / "step_6" / "done.json").stat().st_mtime_ns

@@ -10,13 +10,16 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parent.parent / "qkgeom"
 LAYERS = [
     {"errors"},  # the project's error class: everything may raise it
-    {"config", "geometry", "stats", "archs", "hooks", "executor", "results"},  # maths, tables, plumbing, the disk
+    {"config", "geometry", "stats", "archs", "hooks", "executor", "results"},
+    {"pretrained_config"},  # maths, tables, plumbing, the disk
     {"data", "interventions", "model", "plots"},
     {"probe"},
     {"pretrained", "train"},
-    {"analysis", "context"},
+    {"runs", "context"},
+    {"analysis"},
     {"sweep", "family", "causal"},
     {"report"},
+    {"family_report"},
     {"cli", "__init__"},
 ]
 

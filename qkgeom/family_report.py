@@ -1,0 +1,84 @@
+"""The report of `qkgeom pretrained` results: a checkpoint family (trend statistics, the contrast
+over steps, revisions with duplicate flags) or a single model (a headline and a compact per-layer
+table). Tables are written beside the revisions: revisions.csv, trends.csv."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+
+import pandas as pd
+
+from qkgeom import plots
+from qkgeom.report import _figure_html, _png, _write_page
+from qkgeom.results import RunDir, atomic_write_bytes, read_json
+
+
+def write_family_report(path: str | Path, early_max_step: int | None = None) -> Path:
+    """Tables (revisions.csv, trends.csv, geometry.parquet) and report/index.html of a checkpoint family.
+    early_max_step: the early window's end; by default the one the family was analysed with."""
+    from qkgeom.family import family_trends, load_family
+
+    path = Path(path)
+    geometry, revs = load_family(path)
+    if early_max_step is None:
+        first = next(d for d in sorted(path.iterdir()) if RunDir(d).is_done())
+        early_max_step = read_json(RunDir(first).config).get("pretrained_config", {}).get("early_max_step", 1000)
+    trends = family_trends(geometry, early_max_step)
+    atomic_write_bytes(path / "revisions.csv", revs.to_csv(index=False).encode())
+    atomic_write_bytes(path / "trends.csv", trends.to_csv(index=False).encode())
+    out = path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    if len(revs) == 1:
+        return _write_model_report(path, geometry, revs)
+    parts = [
+        f"<h1>qkgeom checkpoint family: {html.escape(path.name)}</h1>",
+        f"<p>{len(revs)} revisions; early window: steps &le; {early_max_step}. Revisions whose weights hash "
+        "identically to an earlier one are flagged (public checkpoint suites are known to serve duplicated "
+        "revisions). Every token enters the covariances and entropies; the logit-spectrum rows (logit_*) are "
+        "averages over the first <code>logit_seqs</code> sequences only (the same sequences in every "
+        "revision), a sample, since each needs T &times; T eigen-solves.</p>",
+    ]
+    figures = []
+    if geometry["step"].ge(0).any():
+        figures.append(("family_contrast", plots.family_contrast(geometry, revs), "PR_Q - PR_K per layer against step"))
+    for rev in list(revs["revision"])[-1:] if len(revs) > 1 else list(revs["revision"]):
+        figures.append(("model_heads", plots.model_heads(geometry, rev), f"{rev}: per layer and per head"))
+    for name, fig, caption in figures:
+        png = _png(fig)
+        atomic_write_bytes(out / f"{name}.png", png)
+        parts.append(_figure_html(name, png, caption))
+    layer_values = geometry[geometry["head"] == -1].pivot_table(
+        index=["revision", "site", "layer"], columns="metric", values="value"
+    )
+    parts += [
+        "<h2>Trend statistics</h2>",
+        trends.to_html(index=False, float_format=lambda v: f"{v:.4g}"),
+        "<h2>Revisions</h2>",
+        revs.to_html(index=False),
+        "<details><summary><b>Per-layer values</b></summary>",
+        layer_values.reset_index().to_html(index=False, float_format=lambda v: f"{v:.4g}"),
+        "</details>",
+    ]
+    return _write_page(out, f"qkgeom family: {path.name}", parts)
+
+
+def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) -> Path:
+    """One model (one revision): a headline, a compact per-layer table and the per-head figure."""
+    from qkgeom.family import layer_table, model_headline
+
+    info, rev = revs.iloc[0], revs["revision"].iloc[0]
+    name = f"{info['model']}" + (f" @ {rev}" if rev != "main" else "")
+    png = _png(plots.model_heads(geometry, rev))
+    atomic_write_bytes(path / "report" / "model_heads.png", png)
+    parts = [
+        f"<h1>model: {html.escape(name)}</h1>",
+        f"<p>{int(info['n_tokens']):,} tokens of text; the logit-spectrum rows (logit PR) are averages over the first "
+        f"{int(info['logit_seqs'])} sequences only (a sample: each needs T &times; T eigen-solves).</p>",
+        "<h2>Headline</h2>",
+        model_headline(geometry, rev).to_html(index=False, escape=True),
+        _figure_html("model_heads", png, "Per layer and per head"),
+        "<h2>Per-layer values</h2>",
+        layer_table(geometry, rev).to_html(index=False, float_format=lambda v: f"{v:.3g}"),
+    ]
+    return _write_page(path / "report", f"qkgeom model: {name}", parts)

@@ -1,0 +1,78 @@
+"""What `qkgeom pretrained` measures: a frozen, validated config (defaults -> a [pretrained] TOML
+table -> key=value overrides), written to every revision's config.json. The same machinery as the
+run configs (config.py), kept apart so each file stays one room."""
+
+from __future__ import annotations
+
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from qkgeom.config import ConfigError, _build, apply_overrides, resolve_preset
+
+
+@dataclass(frozen=True)
+class PretrainedConfig:
+    """What `qkgeom pretrained` measures on a Hugging Face model or checkpoint family; every field
+    that can change a number is here and is written to each revision's config.json."""
+
+    model: str = ""
+    """Hub name or local folder."""
+    revisions: tuple[str, ...] = ()
+    """Revisions to analyse (empty: the default revision, unless family / all_revisions add some)."""
+    family: str = ""
+    """A built-in revision schedule to add: `pythia` (step0, 1, 2, 4, ..., 143000) or empty."""
+    every: int = 1
+    """With family: keep every k-th revision of the schedule's linear part."""
+    all_revisions: bool = False
+    """Every revision sub-folder of a local model folder (e.g. an exported qkgeom run)."""
+    text: str = ""
+    """Text file to sample; empty: WikiText-2 validation (raw where the mirror has it)."""
+    tokenizer: str = ""
+    """Tokenizer name or folder; empty: the model's own."""
+    n_tokens: int = 65_536
+    """Tokens to stream through the model."""
+    seq_len: int = 256
+    """Sequence length (capped at the model's context)."""
+    batch_size: int = 8
+    """Sequences per forward pass."""
+    strip_special_tokens: bool = False
+    """Do not open each sequence with the model's own start tokens (BOS / CLS)."""
+    logit_max_seqs: int = 4
+    """Sequences in the logit-spectrum sample, the first ones (the same in every revision, so trends
+    are paired); its T x T eigen-solves cost ~0.5 s per sequence at 30 layers x 9 heads, T = 256,
+    more than the forward pass. 0 = all."""
+    gram_dtype: str = "float32"
+    """Precision of each batch's centered Gram matrix (running state is float64): float32 or float64."""
+    early_max_step: int = 1000
+    """Last step of the early window of the family trend statistics."""
+
+
+def load_pretrained(path: str | Path | None = None, overrides: list[str] | None = None) -> PretrainedConfig:
+    """Defaults, then a TOML file (a [pretrained] table), then `overrides` (key=value); validated."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = resolve_preset(path)
+        try:
+            data = tomllib.loads(p.read_text()).get("pretrained", {})
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+    pc = _build(PretrainedConfig, apply_overrides(data, overrides or []), "pretrained.")
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            raise ConfigError(msg)
+
+    need(bool(pc.model), "pretrained.model is empty: name a hub model or a local folder")
+    need(pc.n_tokens > 0, f"pretrained.n_tokens must be positive, got {pc.n_tokens}")
+    need(pc.seq_len > 1, f"pretrained.seq_len must be > 1, got {pc.seq_len}")
+    need(pc.batch_size > 0, f"pretrained.batch_size must be positive, got {pc.batch_size}")
+    need(pc.every >= 1, f"pretrained.every must be >= 1, got {pc.every}")
+    need(pc.family in ("", "pythia"), f"pretrained.family must be 'pythia' or empty, got {pc.family!r}")
+    need(pc.logit_max_seqs >= 0, f"pretrained.logit_max_seqs must be >= 0 (0 = all), got {pc.logit_max_seqs}")
+    need(
+        pc.gram_dtype in ("float32", "float64"),
+        f"pretrained.gram_dtype must be float32 or float64, got {pc.gram_dtype!r}",
+    )
+    return pc

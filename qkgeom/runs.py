@@ -1,0 +1,144 @@
+"""From run folders to tidy tables: finding finished runs, skipping damaged ones with a named
+warning, refusing runs that are not seeds of one design, and load_runs / load_metrics."""
+
+from __future__ import annotations
+
+import json
+import warnings
+import zipfile
+from pathlib import Path
+
+import pandas as pd
+
+from qkgeom.errors import QKGeomError
+from qkgeom.results import RunDir, is_pretrained_output, read_json
+
+RUN_COLUMNS = ["run_id", "n_layers", "qk_init", "seed", "data_seed", "intervention", "steps", "warmup_steps"]
+
+
+class AnalysisError(QKGeomError, ValueError):
+    """Nothing (valid) to analyse."""
+
+
+class RunWarning(UserWarning):
+    """A run folder skipped by the loader (unfinished or corrupt); the message names it."""
+
+
+def run_folders(path: str | Path) -> list[Path]:
+    """The run folders under `path` (a sweep folder, a folder of runs, or one run)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise AnalysisError(f"{p} is not a folder")
+    if RunDir(p).config.is_file():
+        return [p]
+    return sorted(d for d in p.iterdir() if d.is_dir() and RunDir(d).is_run())
+
+
+def _run_info(rd: RunDir) -> dict:
+    cfg = read_json(rd.config)["config"]
+    return {
+        "run_id": rd.path.name,
+        "n_layers": cfg["model"]["n_layers"],
+        "qk_init": cfg["model"]["qk_init"],
+        "seed": cfg["train"]["seed"],
+        "data_seed": cfg["train"]["data_seed"],
+        "intervention": arm_label(cfg["intervention"]),
+        "steps": cfg["train"]["steps"],
+        "warmup_steps": cfg["train"]["warmup_steps"],
+    }
+
+
+def arm_label(iv: dict) -> str:
+    """A condition's name in tables: `none`, `hold:key`, `contract:key:0.6`, `expand:interaction:1.25`."""
+    kind, on = iv["kind"], iv.get("on", "key")
+    if kind == "none":
+        return "none"
+    if kind == "hold":
+        return f"hold:{on}"
+    return f"{kind}:{on}:{iv.get('ratio', 1.0):g}"
+
+
+# What may differ between the runs of one analysis: the seeds (the units), the study's conditions
+# (depth, Q/K init, intervention arm) and bookkeeping. Anything else (width, tokenizer, steps, lr, ...)
+# would be pooled as if it were seed noise.
+CONDITION_KEYS = ("name", "train.seed", "train.data_seed", "train.threads", "model.n_layers", "model.qk_init")
+
+
+def _flat(cfg: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in cfg.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": str(v)})
+    return out
+
+
+def check_one_design(configs: dict[str, dict], path: str | Path) -> None:
+    """Refuse (one line) runs that differ in anything but seeds and study conditions (CONDITION_KEYS,
+    intervention.*): they are not seeds of one design, and pooling them would hide it."""
+    flat = {rid: _flat(cfg) for rid, cfg in configs.items()}
+    keys = sorted({k for f in flat.values() for k in f})
+    differ = [
+        k for k in keys
+        if k not in CONDITION_KEYS and not k.startswith("intervention.") and len({f.get(k) for f in flat.values()}) > 1
+    ]  # fmt: skip
+    if differ:
+        shown = "; ".join(f"{k} = {sorted({f.get(k) or '-' for f in flat.values()})}" for k in differ[:3])
+        raise AnalysisError(
+            f"the runs under {path} are not one design: they differ in {shown}"
+            f"{' ...' if len(differ) > 3 else ''}; analyse each design in its own folder"
+        )
+
+
+def _load(path: str | Path, reader) -> pd.DataFrame:
+    frames, configs = [], {}
+    for d in run_folders(path):
+        rd = RunDir(d)
+        if not rd.is_done():
+            why = "failed: " + rd.read_error() if rd.error.exists() else "unfinished"
+            warnings.warn(f"skipping run {d.name} ({why})", RunWarning, stacklevel=3)
+            continue
+        try:
+            info = _run_info(rd)
+            df = reader(rd)
+        except (OSError, ValueError, KeyError, EOFError, json.JSONDecodeError, zipfile.BadZipFile) as e:
+            warnings.warn(f"skipping corrupt run {d.name} ({type(e).__name__}: {e})", RunWarning, stacklevel=3)
+            continue
+        for k, v in info.items():
+            df[k] = v
+        frames.append(df)
+        configs[d.name] = read_json(rd.config)["config"]
+    if not frames:
+        if is_pretrained_output(path):
+            raise AnalysisError(
+                f"{path} holds `qkgeom pretrained` results, not training runs: render them with "
+                f"`qkgeom report {path}`, or read them with qkgeom.family.load_family"
+            )
+        raise AnalysisError(f"no finished runs under {path}")
+    check_one_design(configs, path)
+    return pd.concat(frames, ignore_index=True)
+
+
+def _checked_geometry(rd: RunDir) -> pd.DataFrame:
+    """A finished run's geometry, after checking the files the report reads are whole."""
+    if not rd.geometry.is_file():
+        raise ValueError("geometry.parquet is missing")
+    read_json(rd.done)  # the report reads it
+    if rd.spectra.is_file():
+        rd.read_spectra()  # a truncated npz raises here, not later in the report
+    return rd.read_geometry()
+
+
+def load_runs(path: str | Path) -> pd.DataFrame:
+    """Tidy geometry rows of every finished run under `path`, with run columns and `progress`.
+
+    Columns: run_id, n_layers, qk_init, seed, data_seed, intervention, steps, warmup_steps,
+    step, tokens_seen, progress (= step / steps), layer, head, site, metric, value.
+    Unfinished or corrupt runs are skipped with a RunWarning naming them.
+    """
+    df = _load(path, _checked_geometry)
+    df["progress"] = df["step"] / df["steps"]
+    return df
+
+
+def load_metrics(path: str | Path) -> pd.DataFrame:
+    """metrics.jsonl of every finished run (step, split, loss, ...) with the run columns."""
+    return _load(path, lambda rd: pd.DataFrame(rd.read_metrics()))
