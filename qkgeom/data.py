@@ -160,8 +160,11 @@ def resolve_source(source: str) -> Path:
 
 def _read_chunks(path: Path):
     with open(path, encoding="utf-8", newline="") as f:
-        while chunk := f.read(CHUNK_CHARS):
-            yield chunk
+        try:
+            while chunk := f.read(CHUNK_CHARS):
+                yield chunk
+        except UnicodeDecodeError as e:  # name the file: the bare error says only "byte 0xff in position 12"
+            raise DataError(f"{path} is not UTF-8 text ({e.reason} at byte {e.start} of a chunk)") from None
 
 
 def _codepoints(text: str) -> np.ndarray:

@@ -443,6 +443,12 @@ ZOO = [
     (["analyze", "/no/such/folder"], "is not a folder"),
     (["report", "{empty}"], "no finished runs"),
     (["export", "/no/such/run", "--out", "{tmp}/hf"], "no/such/run"),
+    (["train", "tiny", "--set", "train.device=gpu"], "train.device must be cpu, cuda"),
+    (["train", "tiny", "--set", "train.threads=-1"], "train.threads must be >= 0"),
+    (["train", "tiny", "--set", "model.n_ctx=1000000"], "model.n_ctx must be <= 8192"),
+    (["train", "tiny", "--set", "name=../../x"], "it names a folder"),
+    (["train", "tiny", "--set", "model={{n_layers = 2}}"], "names a table"),
+    (["train", "tiny", "--set", "data.source={latin1}"], "train.txt is not UTF-8 text"),
 ]
 
 
@@ -450,7 +456,12 @@ ZOO = [
 def test_bad_input_zoo(reference, tmp_path, args, message):
     done = _finished(reference, tmp_path)
     (tmp_path / "empty").mkdir()
-    args = [a.format(done=str(done), empty=str(tmp_path / "empty"), tmp=str(tmp_path)) for a in args]
+    latin1 = tmp_path / "latin1"  # a corpus saved in the wrong encoding
+    latin1.mkdir()
+    for split in ("train", "valid", "test"):
+        (latin1 / f"{split}.txt").write_bytes("caf\u00e9 na\u00efve ".encode("latin-1") * 200)
+    fill = dict(done=str(done), empty=str(tmp_path / "empty"), tmp=str(tmp_path), latin1=str(latin1))
+    args = [a.format(**fill) for a in args]
     if args[0] == "train" and "--out" not in args:
         args += ["--out", str(tmp_path / "new")]
     before = {p: p.read_bytes() for p in done.rglob("*") if p.is_file() and p.name != ".lock"}
