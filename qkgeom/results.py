@@ -186,8 +186,9 @@ class RunDir:
         return self.done.is_file()
 
     def is_run(self) -> bool:
-        """A run folder: it has a config.json, or an error.json from a failed sweep run."""
-        return self.config.exists() or self.error.exists()
+        """A run folder: it has a config.json, an error.json from a failed sweep run, or a done.json
+        (a finished run whose config.json was lost is still a run: reported as damaged, not ignored)."""
+        return self.config.exists() or self.error.exists() or self.done.exists()
 
     def write_error(self, message: str, traceback: str = "") -> None:
         self.path.mkdir(parents=True, exist_ok=True)

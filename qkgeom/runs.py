@@ -124,7 +124,10 @@ def _checked_geometry(rd: RunDir) -> pd.DataFrame:
     read_json(rd.done)  # the report reads it
     if rd.spectra.is_file():
         rd.read_spectra()  # a truncated npz raises here, not later in the report
-    return rd.read_geometry()
+    geometry = rd.read_geometry()
+    if geometry.empty:
+        raise ValueError("geometry.parquet holds no rows")
+    return geometry
 
 
 def load_runs(path: str | Path) -> pd.DataFrame:

@@ -339,12 +339,24 @@ def test_unwritable_out_is_one_line(tmp_path):
         assert r.returncode == 2 and "Permission denied" in r.stderr and r.stderr.strip().count("\n") == 0
 
 
+def _empty_parquet() -> bytes:
+    import io
+
+    from qkgeom.results import GEOMETRY_COLUMNS
+
+    buf = io.BytesIO()
+    pd.DataFrame(columns=GEOMETRY_COLUMNS).to_parquet(buf, index=False)
+    return buf.getvalue()
+
+
 DAMAGE = {
     "geometry.parquet": lambda p: p.write_bytes(p.read_bytes()[:100]),
     "spectra.npz": lambda p: p.write_bytes(p.read_bytes()[:100]),
     "config.json": lambda p: p.write_text("{not json"),
     "done.json": lambda p: p.write_text("{"),
     "missing geometry.parquet": lambda p: None,
+    "missing config.json": lambda p: None,  # was dropped silently
+    "empty geometry.parquet": lambda p: p.write_bytes(_empty_parquet()),  # no rows: was dropped silently
 }
 
 
@@ -353,7 +365,7 @@ def test_damaged_run_is_skipped_by_analyze_and_report(reference, tmp_path, damag
     root = tmp_path / "runs"
     for name in ("good", "bad"):
         shutil.copytree(reference, root / name)
-    target = root / "bad" / damage.removeprefix("missing ")
+    target = root / "bad" / damage.removeprefix("missing ").removeprefix("empty ")
     if damage.startswith("missing"):
         target.unlink()
     else:
