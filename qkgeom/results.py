@@ -23,6 +23,7 @@ import io
 import json
 import os
 import platform
+import shutil
 import socket
 import subprocess
 import tempfile
@@ -243,16 +244,71 @@ class RunDir:
         atomic_write_bytes(self.metrics, "".join(json.dumps(r) + "\n" for r in rows).encode())
 
     # geometry.parquet / spectra.npz ----------------------------------------------------------
-    def write_geometry(self, rows: list[dict[str, Any]]) -> None:
-        df = pd.DataFrame(rows, columns=GEOMETRY_COLUMNS)
+    def write_geometry(self, rows: list[dict[str, Any]] | pd.DataFrame) -> None:
+        df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows, columns=GEOMETRY_COLUMNS)
         buf = io.BytesIO()
         df.to_parquet(buf, index=False)
         atomic_write_bytes(self.geometry, buf.getvalue())
 
     def read_geometry(self) -> pd.DataFrame:
-        if not self.geometry.exists():
+        """The run's geometry rows: geometry.parquet once the run is finished, else the probes'
+        part files (a run being trained appends one part per probe: linear, not quadratic, I/O)."""
+        if self.geometry.exists():
+            return pd.read_parquet(self.geometry)
+        parts = self._parts(self.geometry_parts, ".parquet")
+        if not parts:
             return pd.DataFrame(columns=GEOMETRY_COLUMNS)
-        return pd.read_parquet(self.geometry)
+        return pd.concat([pd.read_parquet(f) for f in parts], ignore_index=True)
+
+    # one part per probe while a run trains, consolidated when it finishes --------------------
+    geometry_parts = property(lambda self: self.path / "geometry.parts")
+    spectra_parts = property(lambda self: self.path / "spectra.parts")
+
+    @staticmethod
+    def _parts(folder: Path, suffix: str) -> list[Path]:
+        return sorted(folder.glob(f"*{suffix}")) if folder.is_dir() else []
+
+    def append_probe(self, step: int, rows: list[dict[str, Any]], spectra: dict[str, np.ndarray]) -> None:
+        """One probe's rows and spectra, each written atomically as a part named by its step."""
+        buf = io.BytesIO()
+        pd.DataFrame(rows, columns=GEOMETRY_COLUMNS).to_parquet(buf, index=False)
+        atomic_write_bytes(self.geometry_parts / f"{step:08d}.parquet", buf.getvalue())
+        buf = io.BytesIO()
+        np.savez(buf, step=np.int64(step), **spectra)
+        atomic_write_bytes(self.spectra_parts / f"{step:08d}.npz", buf.getvalue())
+
+    def drop_probes_after(self, step: int) -> None:
+        """Delete the parts of probes after `step` (resume recomputes them)."""
+        for folder, suffix in ((self.geometry_parts, ".parquet"), (self.spectra_parts, ".npz")):
+            for f in self._parts(folder, suffix):
+                if int(f.stem) > step:
+                    f.unlink()
+
+    def parts_from_files(self) -> None:
+        """A run folder of the old layout (one geometry.parquet / spectra.npz rewritten per probe)
+        resumed by this version: split them into parts, then remove them."""
+        if self.geometry.exists():
+            g = pd.read_parquet(self.geometry)
+            for step, rows in g.groupby("step"):
+                buf = io.BytesIO()
+                rows.to_parquet(buf, index=False)
+                atomic_write_bytes(self.geometry_parts / f"{int(step):08d}.parquet", buf.getvalue())
+        if self.spectra.exists():
+            sp = self.read_spectra()
+            for i, step in enumerate(sp.get("step", [])):
+                buf = io.BytesIO()
+                np.savez(buf, **{k: v[i] for k, v in sp.items()})
+                atomic_write_bytes(self.spectra_parts / f"{int(step):08d}.npz", buf.getvalue())
+        self.geometry.unlink(missing_ok=True)
+        self.spectra.unlink(missing_ok=True)
+
+    def consolidate_probes(self) -> None:
+        """A finished run's parts -> geometry.parquet and spectra.npz (the layout every reader of a
+        finished run uses), then the parts are removed."""
+        self.write_geometry(self.read_geometry())
+        self.write_spectra(self.read_spectra())
+        shutil.rmtree(self.geometry_parts, ignore_errors=True)
+        shutil.rmtree(self.spectra_parts, ignore_errors=True)
 
     def write_spectra(self, spectra: dict[str, np.ndarray]) -> None:
         buf = io.BytesIO()
@@ -260,10 +316,19 @@ class RunDir:
         atomic_write_bytes(self.spectra, buf.getvalue())
 
     def read_spectra(self) -> dict[str, np.ndarray]:
-        if not self.spectra.exists():
+        """Per probe, stacked along a first axis (`step` holds the steps): spectra.npz once the run
+        is finished, else the probes' part files."""
+        if self.spectra.exists():
+            with np.load(self.spectra, allow_pickle=False) as z:
+                return {k: z[k] for k in z.files}
+        parts = self._parts(self.spectra_parts, ".npz")
+        if not parts:
             return {}
-        with np.load(self.spectra, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
+        loaded = []
+        for f in parts:
+            with np.load(f, allow_pickle=False) as z:
+                loaded.append({k: z[k] for k in z.files})
+        return {k: np.stack([d[k] for d in loaded]) for k in loaded[0]}
 
     # checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, state: dict[str, Any], name: str = "last.pt") -> Path:

@@ -211,7 +211,7 @@ class _Run:
         self.kept = set(C.kept_steps(t))  # checkpoints kept beside last.pt
         self.tokens_per_step = t.batch_size * m.n_ctx
         self.loss_ceiling = DIVERGED_LOSS_FACTOR * math.log(corpus.vocab.size)
-        self.start, self.elapsed0, self.geometry, self.spectra = 0, 0.0, [], {}
+        self.start, self.elapsed0 = 0, 0.0
         self.probe_seconds = 0.0  # this process's time in probes (reported in done.json)
         if resumed:
             self._restore()
@@ -228,17 +228,20 @@ class _Run:
         self.start, self.elapsed0 = int(state["step"]), float(state["elapsed"])
         start = self.start
         try:
-            self.geometry = rd.read_geometry().query("step <= @start").to_dict("records")
-            spectra = rd.read_spectra()
+            geometry_steps = set(rd.read_geometry()["step"].astype(int))
+            spectra_steps = set(rd.read_spectra().get("step", np.array([], dtype=int)).tolist())
         except Exception as e:  # pyarrow, zipfile and numpy raise several types for damaged files
             raise TrainingError(
                 f"cannot resume {rd.path}: geometry.parquet or spectra.npz is corrupt ({type(e).__name__}); "
                 "nothing was changed"
             ) from None
-        self._check_records(start, {int(g["step"]) for g in self.geometry}, set(spectra.get("step", [])))
+        self._check_records(start, geometry_steps, spectra_steps)
+        # only now change the folder: back to one part per probe (a consolidated or old-layout file
+        # is split), then drop what the loop will recompute
+        if rd.geometry.exists() or rd.spectra.exists():
+            rd.parts_from_files()
+        rd.drop_probes_after(start)
         rd.truncate_metrics(start)
-        keep = spectra.get("step", np.array([])) <= start
-        self.spectra = {k: list(v[keep]) for k, v in spectra.items()}
 
     def _check_records(self, start: int, geometry_steps: set[int], spectra_steps: set[int]) -> None:
         """Refuse to resume (changing nothing) unless every record the checkpoint at `start` says
@@ -250,9 +253,11 @@ class _Run:
         rows = rd.read_metrics()  # raises DamagedRunError on a garbled line
         train = {r["step"] for r in rows if r.get("split") == "train"}
         valid = {r["step"] for r in rows if r.get("split") == "valid"}
+        geometry = rd.geometry if rd.geometry.exists() else rd.geometry_parts
+        spectra = rd.spectra if rd.spectra.exists() else rd.spectra_parts
         expected = [
-            (rd.geometry, probes - geometry_steps, "probes at steps"),
-            (rd.spectra, probes - spectra_steps, "probes at steps"),
+            (geometry, probes - geometry_steps, "probes at steps"),
+            (spectra, probes - spectra_steps, "probes at steps"),
             (rd.metrics, set(range(1, start + 1)) - train, "training steps"),
             (rd.metrics, {s for s in range(start + 1) if s % t.eval_every == 0} - valid, "evaluations at steps"),
         ]
@@ -316,11 +321,8 @@ class _Run:
             self.rd.append_warning({"step": step, "warning": str(w.message)})
         rows += self.control.rows(step)
         self.model.train()
-        self.geometry.extend({"step": step, "tokens_seen": step * self.tokens_per_step, **r} for r in rows)
-        self.rd.write_geometry(self.geometry)
-        for k, v in {"step": np.int64(step), **spec}.items():
-            self.spectra.setdefault(k, []).append(v)
-        self.rd.write_spectra({k: np.stack(v) for k, v in self.spectra.items()})
+        rows = [{"step": step, "tokens_seen": step * self.tokens_per_step, **r} for r in rows]
+        self.rd.append_probe(step, rows, spec)  # one part per probe: linear I/O over a run
         self.probe_seconds += time.perf_counter() - tic
 
     def evaluate(self, step: int) -> None:
@@ -390,6 +392,7 @@ class _Run:
         return loss_value
 
     def finish(self) -> None:
+        self.rd.consolidate_probes()  # parts -> geometry.parquet, spectra.npz (one O(run) write)
         write_json(
             self.rd.done,
             {

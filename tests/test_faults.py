@@ -104,7 +104,9 @@ def reference(tmp_path_factory) -> Path:
     # random kill steps (seeded), and kills in the middle of a checkpoint, a parquet, an npz and the
     # config being written (the last one: a folder holding only part of its first files)
     [f"step:{s}" for s in np.random.default_rng(7).integers(1, 60, 3)]
-    + ["write:last.pt:2", "write:geometry.parquet:4", "write:spectra.npz:3", "write:config.json:1"],
+    # (probes append one part per step; the finished run consolidates them into geometry.parquet)
+    + ["write:last.pt:2", "write:00000004.parquet:1", "write:00000002.npz:1", "write:config.json:1"]
+    + ["write:geometry.parquet:1", "write:spectra.npz:1"],
 )
 def test_sigkill_then_resume_equals_uninterrupted(reference, tmp_path, point):
     out = tmp_path / "run"
@@ -404,8 +406,9 @@ def killed_at_35(tmp_path_factory) -> Path:
 @pytest.mark.parametrize(
     "damage, says",
     [
-        ("delete geometry.parquet", "geometry.parquet lacks 8 probes at steps [0, 1, 2, 4, 8] ..."),
-        ("delete spectra.npz", "spectra.npz lacks 8 probes"),
+        ("delete geometry.parts", "geometry.parts lacks 8 probes at steps [0, 1, 2, 4, 8] ..."),
+        ("delete spectra.parts", "spectra.parts lacks 8 probes"),
+        ("delete geometry.parts/00000010.parquet", "geometry.parts lacks 1 probes at steps [10]"),
         ("delete metrics.jsonl", "metrics.jsonl lacks 30 training steps"),
         ("garble metrics.jsonl", "metrics.jsonl line 11 is garbled"),
     ],
@@ -417,7 +420,7 @@ def test_resume_refuses_missing_records_and_changes_nothing(killed_at_35, tmp_pa
     shutil.copytree(killed_at_35, out)
     verb, name = damage.split()
     if verb == "delete":
-        (out / name).unlink()
+        shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
     else:
         lines = (out / name).read_text().splitlines()
         lines[10] = '{"step": 9, "spl'
