@@ -206,7 +206,14 @@ def dose_response(points: pd.DataFrame, slopes: pd.DataFrame) -> Figure:
                 label=arm if seed == points["seed"].min() else None,
             )
     v = slopes["slope"].to_numpy()
-    ax.set_title(f"Dose-response: mean slope {np.mean(v):.3f} over {len(v)} seeds (lines: per-seed fits)", fontsize=9)
+    from scipy import stats as S
+
+    half = S.t.ppf(0.975, len(v) - 1) * np.std(v, ddof=1) / np.sqrt(len(v)) if len(v) > 1 else np.nan
+    ax.set_title(
+        f"Dose-response: slope {np.mean(v):.3f} [{np.mean(v) - half:.3f}, {np.mean(v) + half:.3f}] "
+        f"(95% t over {len(v)} seeds; lines: per-seed fits)",
+        fontsize=9,
+    )
     ax.set_xlabel("log activation PR_K (post-transient mean, layer mean)")
     ax.set_ylabel("attention entropy (nats)")
     ax.legend(fontsize=7)
