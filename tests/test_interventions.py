@@ -186,8 +186,8 @@ def test_contract_on_initial_schedule_follows_it_and_is_recorded(tmp_path):
             "ratio": 0.4, "reach_fraction": 0.5,
         },
     )  # fmt: skip
-    g = train(cfg, tmp_path / "s", progress=False).read_geometry()
-    g = g[(g.layer == 0) & (g["head"] == 1)]
+    everything = train(cfg, tmp_path / "s", progress=False).read_geometry()
+    g = everything[(everything.layer == 0) & (everything["head"] == 1)]
     achieved = g[g.metric == "key_weight_participation_ratio"].set_index("step")["value"]
     target = g[g.metric == "key_weight_participation_ratio_target"].set_index("step")["value"]
     pr0 = achieved.loc[0]
@@ -195,8 +195,9 @@ def test_contract_on_initial_schedule_follows_it_and_is_recorded(tmp_path):
         expected = pr0 * (1 - 0.6 * min(1.0, step / 20))
         assert target.loc[step] == pytest.approx(expected, rel=1e-9)
         assert achieved.loc[step] == pytest.approx(expected, rel=1e-3)
-    other = g[g.metric == "key_weight_participation_ratio_target"]
-    assert len(other) == len(achieved)  # only the controlled head has targets
+    targets = everything[everything.metric == "key_weight_participation_ratio_target"]
+    # only the controlled head has targets (this read the already-filtered rows and could not fail)
+    assert set(zip(targets.layer, targets["head"], strict=True)) == {(0, 1)} and len(targets) == len(achieved)
     assert np.isclose(achieved.iloc[-1], 0.4 * pr0, rtol=1e-3)
 
 
