@@ -176,6 +176,41 @@ def _train(cfg: C.RunConfig, rd: RunDir, resume: bool, progress: bool) -> RunDir
     return rd
 
 
+def check_resumable(rd: RunDir, t: C.TrainConfig, schedule: set[int], start: int) -> None:
+    """Refuse to resume (changing nothing) unless every record the checkpoint at `start` says
+    exists is on disk: each probe in the geometry and spectra, each train and validation row in
+    metrics.jsonl. A deleted or truncated file would otherwise finish as a "done" run with holes.
+    Damaged files raise TrainingError (or DamagedRunError for a garbled metrics line)."""
+    try:
+        geometry_steps = set(rd.read_geometry()["step"].astype(int))
+        spectra_steps = set(rd.read_spectra().get("step", np.array([], dtype=int)).tolist())
+    except Exception as e:  # pyarrow, zipfile and numpy raise several types for damaged files
+        raise TrainingError(
+            f"cannot resume {rd.path}: geometry.parquet or spectra.npz is corrupt ({type(e).__name__}); "
+            "nothing was changed"
+        ) from None
+    probes = {s for s in schedule if s <= start}
+    rows = rd.read_metrics()
+    train = {r["step"] for r in rows if r.get("split") == "train"}
+    valid = {r["step"] for r in rows if r.get("split") == "valid"}
+    geometry = rd.geometry if rd.geometry.exists() else rd.geometry_parts
+    spectra = rd.spectra if rd.spectra.exists() else rd.spectra_parts
+    expected = [
+        (geometry, probes - geometry_steps, "probes at steps"),
+        (spectra, probes - spectra_steps, "probes at steps"),
+        (rd.metrics, set(range(1, start + 1)) - train, "training steps"),
+        (rd.metrics, {s for s in range(start + 1) if s % t.eval_every == 0} - valid, "evaluations at steps"),
+    ]
+    for path, missing, what in expected:
+        if missing:
+            shown = sorted(missing)[:5]
+            raise TrainingError(
+                f"cannot resume {rd.path}: {path.name} lacks {len(missing)} {what} {shown}"
+                f"{' ...' if len(missing) > 5 else ''} that the checkpoint at step {start} says happened "
+                "(deleted or damaged); nothing was changed"
+            )
+
+
 class _Run:
     """The state of one training run and its steps: set-up (fresh or restored from last.pt),
     probe, evaluate, checkpoint, one optimiser step, finish."""
@@ -227,48 +262,13 @@ class _Run:
         self.control.load_state_dict(state["control"])
         self.start, self.elapsed0 = int(state["step"]), float(state["elapsed"])
         start = self.start
-        try:
-            geometry_steps = set(rd.read_geometry()["step"].astype(int))
-            spectra_steps = set(rd.read_spectra().get("step", np.array([], dtype=int)).tolist())
-        except Exception as e:  # pyarrow, zipfile and numpy raise several types for damaged files
-            raise TrainingError(
-                f"cannot resume {rd.path}: geometry.parquet or spectra.npz is corrupt ({type(e).__name__}); "
-                "nothing was changed"
-            ) from None
-        self._check_records(start, geometry_steps, spectra_steps)
+        check_resumable(rd, self.cfg.train, self.schedule, start)
         # only now change the folder: back to one part per probe (a consolidated or old-layout file
         # is split), then drop what the loop will recompute
         if rd.geometry.exists() or rd.spectra.exists():
             rd.parts_from_files()
         rd.drop_probes_after(start)
         rd.truncate_metrics(start)
-
-    def _check_records(self, start: int, geometry_steps: set[int], spectra_steps: set[int]) -> None:
-        """Refuse to resume (changing nothing) unless every record the checkpoint at `start` says
-        exists is on disk: each probe in geometry.parquet and spectra.npz, each train and validation
-        row in metrics.jsonl. A deleted or truncated file would otherwise finish as a "done" run with
-        holes."""
-        t, rd = self.cfg.train, self.rd
-        probes = {s for s in self.schedule if s <= start}
-        rows = rd.read_metrics()  # raises DamagedRunError on a garbled line
-        train = {r["step"] for r in rows if r.get("split") == "train"}
-        valid = {r["step"] for r in rows if r.get("split") == "valid"}
-        geometry = rd.geometry if rd.geometry.exists() else rd.geometry_parts
-        spectra = rd.spectra if rd.spectra.exists() else rd.spectra_parts
-        expected = [
-            (geometry, probes - geometry_steps, "probes at steps"),
-            (spectra, probes - spectra_steps, "probes at steps"),
-            (rd.metrics, set(range(1, start + 1)) - train, "training steps"),
-            (rd.metrics, {s for s in range(start + 1) if s % t.eval_every == 0} - valid, "evaluations at steps"),
-        ]
-        for path, missing, what in expected:
-            if missing:
-                shown = sorted(missing)[:5]
-                raise TrainingError(
-                    f"cannot resume {rd.path}: {path.name} lacks {len(missing)} {what} {shown}"
-                    f"{' ...' if len(missing) > 5 else ''} that the checkpoint at step {start} says happened "
-                    "(deleted or damaged); nothing was changed"
-                )
 
     def _start_fresh(self, corpus, n_probe: int) -> None:
         rd, cfg = self.rd, self.cfg
