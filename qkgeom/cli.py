@@ -227,7 +227,7 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from qkgeom.family import export_run
+    from qkgeom.export import export_run
 
     folders = export_run(args.run, args.out)
     print(f"exported {len(folders)} checkpoints as GPT-2 folders: " + ", ".join(f.name for f in folders))

@@ -41,11 +41,12 @@ def test_ray_family_equals_local(tmp_path, local_ray):
     import numpy as np
 
     from qkgeom import family as F
+    from qkgeom.export import export_run
     from qkgeom.train import train
     from tests.conftest import tiny_config
 
     rd = train(tiny_config(train={"steps": 6, "checkpoint_steps": [0, 3]}), tmp_path / "run", progress=False)
-    F.export_run(rd.path, tmp_path / "hf")
+    export_run(rd.path, tmp_path / "hf")
     tokens = np.arange(2048) % 50
     revs = ["step_0", "step_3", "step_6"]
 

@@ -9,6 +9,7 @@ import torch
 from qkgeom import family as F
 from qkgeom import pretrained as P
 from qkgeom.data import fixed_offsets, gather, load_corpus
+from qkgeom.export import export_run
 from qkgeom.model import GPT
 from qkgeom.pretrained_config import load_pretrained
 from qkgeom.probe import probe_gpt
@@ -45,7 +46,7 @@ def exported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export")
     cfg = tiny_config(train={"steps": 12, "checkpoint_steps": [0, 6]})
     rd = train(cfg, tmp / "run", progress=False)
-    folders = F.export_run(rd.path, tmp / "hf")
+    folders = export_run(rd.path, tmp / "hf")
     return cfg, rd, tmp / "hf", folders
 
 

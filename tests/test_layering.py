@@ -17,7 +17,7 @@ LAYERS = [
     {"pretrained", "train"},
     {"runs", "context"},
     {"analysis"},
-    {"sweep", "family", "causal"},
+    {"sweep", "family", "causal", "export"},
     {"report"},
     {"family_report"},
     {"cli", "__init__"},
