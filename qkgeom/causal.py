@@ -106,17 +106,24 @@ def _direction_row(diffs: pd.Series, claim: str, group: str, win: str, sign: int
     return [row]
 
 
+def _in_window(rows: pd.DataFrame, win: str) -> pd.DataFrame:
+    """The rows of a window, or of the final probe (`final`)."""
+    return rows[rows["step"] == rows["steps"]] if win == "final" else window(rows, win)
+
+
 def arm_means(df: pd.DataFrame, metric: str, win: str = "post-transient") -> pd.Series:
     """Layer-mean `metric` per (intervention, seed): averaged over the window's probes, or at the final probe."""
-    rows = layer_metric(df, metric)
-    rows = rows[rows["step"] == rows["steps"]] if win == "final" else window(rows, win)
-    return rows.groupby(["intervention", "seed"])["value"].mean()
+    return _in_window(layer_metric(df, metric), win).groupby(["intervention", "seed"])["value"].mean()
 
 
 def dose_points(df: pd.DataFrame) -> pd.DataFrame:
     """Per (arm, seed): window means of attention entropy and of each target's check mediator (log),
     the assigned log ratio, and `in_fit` for the W_K dose-response (none and contract/expand on W_K)."""
-    df = with_seed_window(df)
+    return _dose_points(with_seed_window(df))
+
+
+def _dose_points(df: pd.DataFrame) -> pd.DataFrame:
+    """dose_points of a frame that already has the seed window (with_seed_window)."""
     pts = pd.DataFrame({"entropy": arm_means(df, "attention_entropy")})
     for metric in CHECK_MEDIATOR.values():
         if (df["metric"] == metric).any():
@@ -143,8 +150,9 @@ def dose_response(df: pd.DataFrame) -> pd.DataFrame:
 
 def causal_estimates(df: pd.DataFrame, note: str) -> list[dict]:
     """Per target (W_K, W_Q W_K^T) with contract/expand arms: dose-response (>= 3 arms), reduced form,
-    first stage and IV, one value per seed, intervals over seeds (module docstring)."""
-    pts = dose_points(df)
+    first stage and IV, one value per seed, intervals over seeds (module docstring). `df` has the
+    seed window (with_seed_window)."""
+    pts = _dose_points(df)
     rows: list[dict] = []
     for on in ("key", "interaction"):
         sel = pts[(pts["kind"] == "none") | (pts["kind"].isin(["contract", "expand"]) & (pts["on"] == on))]
@@ -228,7 +236,11 @@ def loss_matched(df: pd.DataFrame, metrics: pd.DataFrame, arm: str = MATCHED_ARM
     validation loss). none's step at that loss is interpolated linearly along its own evaluations
     from the window start on; probes at a loss none never reaches in its window are dropped. The
     arm's loss at a probe step is interpolated from its evaluations. Layer-mean entropy."""
-    df = with_seed_window(df)
+    return _loss_matched(with_seed_window(df), metrics, arm)
+
+
+def _loss_matched(df: pd.DataFrame, metrics: pd.DataFrame, arm: str) -> pd.Series:
+    """loss_matched of a frame that already has the seed window."""
     ent = layer_metric(df, "attention_entropy").groupby(["intervention", "seed", "step"])["value"].mean()
     val = metrics[metrics["split"] == "valid"].groupby(["intervention", "seed", "step"])["loss"].mean()
     starts = df.groupby("seed")["transient_end"].first()
@@ -301,9 +313,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
                 note,
                 verdict=None if check_ok else "manipulation failed",
             )
-            per_layer = layer_metric(df, "attention_entropy")
-            per_layer = per_layer[per_layer["step"] == per_layer["steps"]] if win == "final" else window(per_layer, win)
-            for layer, g in per_layer.groupby("layer"):
+            for layer, g in _in_window(layer_metric(df, "attention_entropy"), win).groupby("layer"):
                 rows += _direction_row(
                     _paired(g.groupby(["intervention", "seed"])["value"].mean(), arm),
                     f"{arm} - none: attention entropy (nats)",
@@ -319,7 +329,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
         )
     rows += causal_estimates(df, note)
     if MATCHED_ARM in arms and len(metrics):
-        m = loss_matched(df, metrics)
+        m = _loss_matched(df, metrics, MATCHED_ARM)
         rows += _direction_row(
             m,
             f"{MATCHED_ARM} - none at matched validation loss: attention entropy (nats)",
