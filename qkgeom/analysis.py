@@ -128,7 +128,8 @@ def _groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return out
 
 
-def _row(study, claim, group, win, value, lo=np.nan, hi=np.nan, n=0, p=np.nan, detail="", **extra) -> dict:
+def claim_row(study, claim, group, win, value, lo=np.nan, hi=np.nan, n=0, p=np.nan, detail="", **extra) -> dict:
+    """One row of the claims table (CLAIM_COLUMNS); fields not given are empty."""
     row = dict.fromkeys(CLAIM_COLUMNS, "")
     row.update(study=study, claim=claim, group=group, window=win, value=value, ci_low=lo, ci_high=hi, n=n)
     row.update(p_value=p, detail=detail, **extra)
@@ -178,33 +179,27 @@ def per_run_statistics(w: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
+def seed_row(v: np.ndarray, study: str, claim: str, group: str, win: str, sign: int | None, note: str, **kw) -> dict:
+    """A claims row over per-seed values `v`: mean, 95% t-interval over seeds, mde_80 and (with a
+    predicted sign) the seeds agreeing and the verdict. kw overrides any field (e.g. verdict="")."""
+    lo, hi = stats.t_mean_ci(v)
+    extra = dict(interval="95% t over seeds", mde_80=stats.mde(v), window_start=note) | kw
+    if sign is not None:
+        agree = f"{int(np.sum(np.sign(v) == sign))}/{len(v)}"
+        verdict = stats.verdict(lo, hi, sign)
+        extra = dict(predicted="+" if sign > 0 else "-", seeds_agreeing=agree, verdict=verdict) | extra
+    p = extra.pop("p_value", stats.t_test_p(v))
+    value = float(np.mean(v)) if len(v) else np.nan
+    return claim_row(study, claim, group, win, value, lo, hi, len(v), p, **extra)
+
+
 def _seed_rows(
     per_run: pd.DataFrame, column: str, claim: str, sign: int, group: str, win: str, note: str, judged: bool = True
 ) -> dict:
-    """Mean over layers and runs per seed, then the mean with a t-interval over seeds, mde_80 and a
-    verdict (none if not `judged`)."""
-    per_seed = per_run.groupby("seed")[column].mean().dropna()
-    v = per_seed.to_numpy()
-    lo, hi = stats.t_mean_ci(v)
-    agree = int(np.sum(np.sign(v) == sign))
-    return _row(
-        "main",
-        claim,
-        group,
-        win,
-        float(v.mean()) if len(v) else np.nan,
-        lo,
-        hi,
-        len(v),
-        stats.t_test_p(v),
-        detail=f"per-seed values {np.round(v, 4).tolist()}",
-        predicted="+" if sign > 0 else "-",
-        seeds_agreeing=f"{agree}/{len(v)}",
-        interval="95% t over seeds",
-        window_start=note,
-        verdict=stats.verdict(lo, hi, sign) if judged else "",
-        mde_80=stats.mde(v),
-    )
+    """Mean over layers and runs per seed, then seed_row (no verdict if not `judged`)."""
+    v = per_run.groupby("seed")[column].mean().dropna().to_numpy()
+    kw = {} if judged else {"verdict": ""}
+    return seed_row(v, "main", claim, group, win, sign, note, detail=f"per-seed values {np.round(v, 4).tolist()}", **kw)
 
 
 def _contrast_row(w: pd.DataFrame, per_run: pd.DataFrame, group: str, win: str, note: str) -> dict:
@@ -222,7 +217,7 @@ def _contrast_row(w: pd.DataFrame, per_run: pd.DataFrame, group: str, win: str, 
     agree = per_run.groupby(["qk_init", "n_layers", "layer"])["contrast_mean"].apply(lambda x: int((x > 0).sum()))
     n_seeds, mean = len(v), float(v.mean()) if len(v) else np.nan
     verdict = "holds" if mean >= CONTRAST_HOLDS else "fails" if mean < CONTRAST_FAILS else "inconclusive"
-    return _row(
+    return claim_row(
         "main",
         CONTRAST_CLAIM,
         group,
@@ -279,7 +274,7 @@ def _paper_contrast_row(w: pd.DataFrame, win: str, note: str) -> dict:
     positive = seed_mean.groupby(["qk_init", "n_layers", "layer"]).min() > 0
     share = float(positive.mean()) if len(positive) else np.nan
     verdict = "holds" if share >= CONTRAST_HOLDS else "fails" if share < CONTRAST_FAILS else "inconclusive"
-    return _row(
+    return claim_row(
         "main", PAPER_CONTRAST_CLAIM, "all", win, share, n=len(positive), predicted="all > 0", verdict=verdict,
         seeds_agreeing=f"{int(positive.sum())}/{len(positive)} trajectories", interval="none (seed means)",
         window_start=note, detail=f"over {contrast['seed'].nunique()} seeds",

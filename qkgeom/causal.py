@@ -23,7 +23,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom import stats
-from qkgeom.analysis import _finish, _row, layer_metric, transient_ends, window
+from qkgeom.analysis import _finish, claim_row, layer_metric, seed_row, transient_ends, window
 
 # Pre-registered directions (configs/study-intervention-*.toml, study-causal-cpu.toml): each arm's
 # intended effect on its mediator and predicted effect on attention entropy, by kind.
@@ -74,19 +74,7 @@ def _paired(values: pd.Series, arm: str) -> pd.Series:
 
 def _verdict_row(v: np.ndarray, claim: str, group: str, win: str, sign: int | None, note: str, **kw) -> dict:
     """mean, 95% t-interval over seeds, mde_80 and (with a predicted sign) the verdict."""
-    lo, hi = stats.t_mean_ci(v)
-    extra = dict(interval="95% t over seeds", mde_80=stats.mde(v), window_start=note) | kw
-    if sign is not None:
-        extra = (
-            dict(
-                predicted="+" if sign > 0 else "-",
-                seeds_agreeing=f"{int(np.sum(np.sign(v) == sign))}/{len(v)}",
-                verdict=stats.verdict(lo, hi, sign),
-            )
-            | extra
-        )
-    p = extra.pop("p_value", stats.t_test_p(v))
-    return _row("intervention", claim, group, win, float(np.mean(v)), lo, hi, len(v), p, **extra)
+    return seed_row(v, "intervention", claim, group, win, sign, note, **kw)
 
 
 def _direction_row(diffs: pd.Series, claim: str, group: str, win: str, sign: int | None, note: str, verdict=None):
@@ -210,7 +198,7 @@ def causal_estimates(df: pd.DataFrame, note: str) -> list[dict]:
         ratio, lo, hi = stats.fieller_ratio_ci(rf, fs)
         verdict = stats.verdict(lo, hi, +1)
         rows.append(
-            _row(
+            claim_row(
                 "intervention",
                 f"IV: attention entropy per unit log {label} (reduced form / first stage)",
                 group,
@@ -365,7 +353,7 @@ def control_rows(df: pd.DataFrame) -> list[dict]:
                 err, what = rel.abs().max(), "max relative error"
             active = float((rel.abs() < 1e-6).mean())
             rows.append(
-                _row(
+                claim_row(
                     "intervention",
                     f"{arm}: achieved {metric} vs target",
                     "all controlled heads",

@@ -78,7 +78,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     cfg = C.load(args.config, args.overrides)
     out = Path(args.out) if args.out else Path(args.runs) / "train" / C.run_id(cfg)
-    rd = train(cfg, out, resume=args.resume, progress=not args.no_progress)
+    rd = train(cfg, out, resume=args.resume, progress=not args.no_progress, tensorboard=args.tensorboard)
     print(f"run complete: {rd.path}")
     return 0
 
@@ -164,25 +164,29 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from qkgeom.family_report import write_family_report
+    from qkgeom.family_report import family_study_section, write_family_report
     from qkgeom.report import write_report
     from qkgeom.results import is_pretrained_output
 
     if is_pretrained_output(args.dir):  # a model or checkpoint family from `qkgeom pretrained`
         print(f"report: {write_family_report(args.dir)}")
         return 0
-    print(f"report: {write_report(_analyze(args.dir))}")
+    print(f"report: {write_report(_analyze(args.dir), family_study_section(args.dir))}")
     return 0
 
 
 def cmd_study(args: argparse.Namespace) -> int:
+    from qkgeom.family_report import family_study_section
+    from qkgeom.family_study import analyse_families, is_family_study
     from qkgeom.report import format_verdicts, write_report
 
     _, out, res = _sweep(args)
     if res is None:  # --dry-run
         return 0
+    if is_family_study(out):  # runs that kept log-spaced checkpoints: each read as a checkpoint family
+        analyse_families(out, progress=not args.no_progress)
     a = _analyze(out)
-    report = write_report(a)
+    report = write_report(a, family_study_section(out))
     print(format_verdicts(a.claims))
     print(f"\nall claims: {out / 'claims.csv'} (or qkgeom analyze {out})\nreport: {report}")
     return 1 if res.failed else 0
@@ -263,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(p)
     _add_output_args(p, "RUNS/train/<run-id>")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        help="also log each probe's layer-mean PR_Q, PR_K, contrast, entropy and interaction rank as "
+        "TensorBoard scalars qkgeom/<metric> in DIR (pip install 'qkgeom[tensorboard]')",
+    )
     p.set_defaults(fn=cmd_train)
 
     p = sub.add_parser(

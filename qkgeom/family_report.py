@@ -82,3 +82,47 @@ def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) 
         layer_table(geometry, rev).to_html(index=False, float_format=lambda v: f"{v:.3g}"),
     ]
     return _write_page(path / "report", f"qkgeom model: {name}", parts)
+
+
+def family_study_section(path: str | Path) -> list[str]:
+    """A family study's part of the study report: each seed's run read as a checkpoint family
+    (family_study.py), the contrast over steps per layer with the early window marked, the
+    per-revision interaction-rank vs entropy link, and every family row with its interval."""
+    from qkgeom import family_study as FS
+
+    path = Path(path)
+    claims_file = path / "family_claims.csv"
+    if not claims_file.is_file():
+        return []
+    seeds, fam = pd.read_csv(path / "family_seeds.csv"), FS.family_geometry(path)
+    if seeds.empty or fam.empty:
+        return []
+    early = int(seeds["early_max_step"].max())
+    claims = pd.read_csv(claims_file)
+    n_revs = fam.groupby("seed")["revision"].nunique()
+    parts = [
+        "<h2>Checkpoint families (the paper's claim 4)</h2>",
+        f"<p>Each of the {len(n_revs)} seeds' runs kept {n_revs.min()}&ndash;{n_revs.max()} checkpoints, exported "
+        "as Hugging Face GPT-2 folders and analysed token-level through <code>qkgeom pretrained --all-revisions"
+        f"</code> (<code>{FS.FAMILY_DIR}/&lt;run&gt;/analysis/</code>). Early window: steps &le; {early}. Per seed: "
+        "Spearman rho of the layer-mean PR_Q &minus; PR_K against log(1 + step) in each window, and the "
+        "across-heads rho of interaction rank with attention entropy at each revision; then 95% t-intervals "
+        "over seeds. Per-seed values: <code>family_seeds.csv</code>; rows: <code>family_claims.csv</code>.</p>",
+    ]
+    for name, fig, caption in (
+        ("family_seeds_contrast", plots.family_seeds_contrast(fam, early), "PR_Q - PR_K per layer over each seed's "
+         "checkpoints; the early window shaded"),
+        ("family_heads_link", plots.heads_link(fam, seeds, FS.HEADS_LINK), "Interaction rank vs attention entropy "
+         "across heads: per revision (left), and every head at three revisions"),
+    ):  # fmt: skip
+        png = _png(fig)
+        atomic_write_bytes(path / "report" / f"{name}.png", png)
+        parts.append(_figure_html(name, png, caption))
+    table = claims[["claim", "group", "window", "value", "ci_low", "ci_high", "n", "seeds_agreeing", "mde_80",
+                    "verdict", "detail"]]  # fmt: skip
+    parts += [
+        "<details><summary><b>Every family row</b> (per revision, per layer)</summary>",
+        table.to_html(index=False, escape=True, na_rep="", float_format=lambda v: f"{v:.4g}"),
+        "</details>",
+    ]
+    return parts

@@ -22,6 +22,7 @@ import pandas as pd
 from qkgeom import analysis as A
 from qkgeom import causal, plots
 from qkgeom.context import context_sentence, study_context
+from qkgeom.family_study import FAMILY_DIR, write_family_tables
 from qkgeom.results import RunDir, atomic_write_bytes, read_json
 
 
@@ -60,6 +61,8 @@ def analyze(path: str | Path) -> Analysis:
         parts.append(A.claims_main(base))
         sens = A.sensitivity(base)
         tables = {"sensitivity": sens, "seed_agreement": A.seed_agreement(base), "horizon": A.horizon(base)}
+    if (path / FAMILY_DIR).is_dir():  # a family study: its runs' checkpoints analysed as families
+        parts.append(write_family_tables(path))
     claims = pd.concat(parts, ignore_index=True)
     tables["verdicts"] = verdicts(claims)
     for name, df in {"summary": traj, "claims": claims, **tables}.items():
@@ -89,6 +92,8 @@ def verdicts(claims: pd.DataFrame) -> pd.DataFrame:
     ]
     # by depth band, the slopes only (the other claims per band stay in the full claims table)
     sel = sel[~sel["group"].isin(list(A.LAYER_BANDS)) | sel["claim"].str.contains("slope of")]
+    family = claims[(claims["study"] == "family") & claims["claim"].str.match(r"F[1-4] ") & (claims["verdict"] != "")]
+    sel = pd.concat([family, sel])  # a family study's primary claims (family_study.py) lead
     mde = pd.to_numeric(sel.get("mde_80", pd.Series(np.nan, index=sel.index)), errors="coerce")
     interval = [
         "" if pd.isna(lo) else f" [{_fmt(lo)}, {_fmt(hi)}]"
@@ -242,6 +247,10 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
     return {k: (cap, _png(fig)) for k, (cap, fig) in figs.items()}
 
 
+def _rounded(x: float | None, digits: int) -> float | None:
+    return None if x is None else round(x, digits)
+
+
 def _provenance(a: Analysis) -> pd.DataFrame:
     rows = []
     for run_id in sorted(a.geometry["run_id"].unique()):
@@ -256,7 +265,7 @@ def _provenance(a: Analysis) -> pd.DataFrame:
                 "torch": prov.get("torch"),
                 "threads": prov.get("torch_threads"),
                 "seconds": round(done["elapsed"], 1),
-                "final_valid_loss": round(done["final_valid_loss"], 4),
+                "final_valid_loss": _rounded(done.get("final_valid_loss"), 4),
                 "notes": "; ".join(cfg.get("notes", [])),
             }
         )
@@ -329,8 +338,9 @@ def _write_page(out: Path, title: str, parts: list[str]) -> Path:
     return out / "index.html"
 
 
-def write_report(a: Analysis) -> Path:
-    """Write <dir>/report/index.html (self-contained) and report/*.png for an analysed folder."""
+def write_report(a: Analysis, sections: list[str] = ()) -> Path:
+    """Write <dir>/report/index.html (self-contained) and report/*.png for an analysed folder.
+    sections: more HTML placed after the verdicts (a family study's, from family_report)."""
     out = a.path / "report"
     out.mkdir(parents=True, exist_ok=True)
     figs = figures(a)
@@ -357,6 +367,7 @@ def write_report(a: Analysis) -> Path:
         "<p><b>Gauge note.</b> PR_Q and PR_K change under W_Q &rarr; W_Q M, W_K &rarr; W_K M<sup>-T</sup>, "
         "while attention, the score spectrum and W_Q W_K<sup>T</sup> do not; the column "
         "<code>gauge_invariant</code> marks claims that involve only the latter.</p>",
+        *sections,
     ]
     if a.skipped:
         parts.append("<p class='warn'>Skipped: " + "<br>".join(html.escape(s) for s in a.skipped) + "</p>")

@@ -1,0 +1,166 @@
+"""The paper's claim 4 on our own runs: a study whose runs keep log-spaced checkpoints is read as one
+checkpoint family per seed, through the Hugging Face path, and judged across seeds.
+
+    <study>/family/<run_id>/export/step_<n>/   each kept checkpoint as a GPT-2 folder (qkgeom.export)
+    <study>/family/<run_id>/analysis/          `qkgeom pretrained EXPORT --all-revisions` output
+    <study>/family_seeds.csv                   per seed: early / late trends, across-heads correlations
+    <study>/family_claims.csv                  the verdict rows (also in claims.csv, study = family)
+
+Per seed (a run): Spearman rho of the paired contrast PR_Q - PR_K (layer mean, token level) against
+log(1 + step) in the early window (step <= early_max_step) and in the late one, and the across-heads
+Spearman rho of interaction rank with attention entropy at every revision (qkgeom.family.family_trends).
+Across seeds: mean, 95% t-interval, mde_80 and a verdict by the sign rule. Both stages resume: a
+revision already analysed (done.json) is skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from qkgeom.analysis import CLAIM_COLUMNS, claim_row, seed_row
+from qkgeom.family import family_trends, load_family, run_pretrained
+from qkgeom.pretrained_config import PretrainedConfig
+from qkgeom.results import RunDir, atomic_write_bytes, read_json
+from qkgeom.runs import run_folders
+
+FAMILY_DIR = "family"
+MIN_REVISIONS = 5  # fewer kept checkpoints than this: not a family study
+EARLY_MAX_STEP = 1000  # the early window's end (configs/study-family-cpu.toml, pre-registered)
+CONTRAST_TREND = "Spearman(PR_Q - PR_K, log step)"
+HEADS_LINK = "Spearman(interaction rank, attention entropy) across heads"
+# the claims of configs/study-family-cpu.toml
+F1 = "F1 early trend of PR_Q - PR_K: " + CONTRAST_TREND
+F2 = "F2 decay: early rho - late rho"
+F3 = "F3 an early regime that decays (F1 and F2)"
+F4 = "F4 interaction rank vs attention entropy across heads, pooled over revisions: " + HEADS_LINK
+F5 = "F5 " + HEADS_LINK
+F6 = "F6 late trend of PR_Q - PR_K: " + CONTRAST_TREND
+PER_LAYER = "per layer: " + CONTRAST_TREND
+
+
+def family_runs(path: str | Path) -> list[Path]:
+    """The finished runs under `path` that kept at least MIN_REVISIONS checkpoints; [] if any
+    finished run kept fewer (then the study is not a family study)."""
+    runs = [d for d in run_folders(path) if RunDir(d).is_done()]
+    kept = [len(read_json(RunDir(d).config).get("kept_checkpoints", [])) for d in runs]
+    return runs if runs and min(kept) >= MIN_REVISIONS else []
+
+
+def is_family_study(path: str | Path) -> bool:
+    return bool(family_runs(path))
+
+
+def analyse_families(
+    path: str | Path, early_max_step: int = EARLY_MAX_STEP, progress: bool = True, **settings
+) -> dict[str, Path]:
+    """Export every run's kept checkpoints and analyse each run as a family; {run_id: analysis folder}.
+    settings: further PretrainedConfig fields (n_tokens, seq_len, ...; defaults: configs/pretrained.toml)."""
+    from qkgeom.export import export_run
+
+    out = {}
+    for run in family_runs(path):
+        base = Path(path) / FAMILY_DIR / run.name
+        export, analysis = base / "export", base / "analysis"
+        kept = read_json(RunDir(run).config)["kept_checkpoints"]
+        if not all((export / f"step_{s}" / "config.json").is_file() for s in kept):
+            export_run(run, export)
+        pc = PretrainedConfig(model=str(export), all_revisions=True, early_max_step=early_max_step, **settings)
+        run_pretrained(pc, analysis, progress=progress)
+        out[run.name] = analysis
+    return out
+
+
+def early_max_step_of(analysis: Path) -> int:
+    """The early window a family was analysed with (each revision's config.json records it)."""
+    first = next(d for d in sorted(analysis.iterdir()) if RunDir(d).is_done())
+    return int(read_json(RunDir(first).config)["pretrained_config"]["early_max_step"])
+
+
+def seed_statistics(path: str | Path) -> pd.DataFrame:
+    """One row per (run, statistic, window, layer): rho of each run's family trends (in the early
+    window it was analysed with), with its seed and, for per-revision rows, the revision's step."""
+    frames = []
+    for run in family_runs(path):
+        analysis = Path(path) / FAMILY_DIR / run.name / "analysis"
+        if not analysis.is_dir():
+            continue
+        geometry, revs = load_family(analysis)
+        early_max_step = early_max_step_of(analysis)
+        t = family_trends(geometry, early_max_step)
+        t["early_max_step"] = early_max_step
+        steps = dict(zip(revs["revision"], revs["step"], strict=True))
+        t["step"] = t["window"].map(steps)  # per-revision rows; NaN for the early / late trend rows
+        t["run_id"] = run.name
+        t["seed"] = read_json(RunDir(run).config)["config"]["train"]["seed"]
+        frames.append(t)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def _seed_row(v: np.ndarray, claim: str, group: str, win: str, sign: int | None, note: str) -> dict:
+    return seed_row(v, "family", claim, group, win, sign, note, detail=f"per-seed values {np.round(v, 4).tolist()}")
+
+
+def family_claims(seeds: pd.DataFrame) -> pd.DataFrame:
+    """The verdict rows of configs/study-family-cpu.toml (F1-F6) from seed_statistics."""
+    if seeds.empty:
+        return pd.DataFrame(columns=CLAIM_COLUMNS)
+    early_max_step = int(seeds["early_max_step"].max())
+    trend = seeds[seeds["statistic"] == CONTRAST_TREND]
+    mean = trend[trend["layer"] == "mean"].pivot_table(index="seed", columns="window", values="rho")
+    early_note, late_note = f"steps <= {early_max_step}", f"steps > {early_max_step}"
+    rows = []
+    if "early" in mean:
+        early = mean["early"].dropna().to_numpy()
+        rows.append(_seed_row(early, F1, "layer mean", "early", +1, early_note))
+    if {"early", "late"} <= set(mean):
+        both = mean[["early", "late"]].dropna()
+        windows = f"{early_note} vs {late_note}"
+        decay = (both["early"] - both["late"]).to_numpy()
+        rows.append(_seed_row(decay, F2, "layer mean", "early vs late", +1, windows))
+        f1, f2 = rows[0]["verdict"], rows[1]["verdict"]
+        joint = "fails" if "fails" in (f1, f2) else "holds" if f1 == f2 == "holds" else "inconclusive"
+        detail = f"F1 {f1}, F2 {f2}: holds if both hold, fails if either fails"
+        rows.append(
+            claim_row("family", F3, "layer mean", "early vs late", np.nan, n=len(both), detail=detail,
+                      predicted="+", verdict=joint, window_start=windows)
+        )  # fmt: skip
+        rows.append(_seed_row(both["late"].to_numpy(), F6, "layer mean", "late", None, late_note))
+    heads = seeds[seeds["statistic"] == HEADS_LINK]
+    heads = heads[heads["step"] > 0] if "step" in heads else heads.iloc[:0]  # step 0: the random init
+    if len(heads):
+        pooled = heads.groupby("seed")["rho"].mean().to_numpy()
+        note = "mean over a seed's revisions after step 0"
+        rows.append(_seed_row(pooled, F4, "all heads", "revisions after step 0", +1, note))
+        for step, g in heads.groupby("step"):
+            win = f"step {int(step)}"
+            rows.append(_seed_row(g["rho"].to_numpy(), F5, "all heads", win, +1, f"revision step_{int(step)}"))
+    for (win, layer), g in trend[trend["layer"] != "mean"].groupby(["window", "layer"]):
+        note = early_note if win == "early" else late_note
+        rows.append(_seed_row(g["rho"].to_numpy(), PER_LAYER, f"layer {layer}", win, None, note))
+    out = pd.DataFrame(rows, columns=CLAIM_COLUMNS)
+    out["mde_80"] = pd.to_numeric(out["mde_80"], errors="coerce")
+    return out
+
+
+def write_family_tables(path: str | Path) -> pd.DataFrame:
+    """seed_statistics and family_claims of the families under `path`, written as CSV; the claims."""
+    seeds = seed_statistics(path)
+    claims = family_claims(seeds)
+    atomic_write_bytes(Path(path) / "family_seeds.csv", seeds.to_csv(index=False).encode())
+    atomic_write_bytes(Path(path) / "family_claims.csv", claims.to_csv(index=False).encode())
+    return claims
+
+
+def family_geometry(path: str | Path) -> pd.DataFrame:
+    """Every family's whole-layer and per-head rows, with run_id and seed (for the report's figures)."""
+    frames = []
+    for run in family_runs(path):
+        analysis = Path(path) / FAMILY_DIR / run.name / "analysis"
+        if analysis.is_dir():
+            g, _ = load_family(analysis)
+            g["run_id"], g["seed"] = run.name, read_json(RunDir(run).config)["config"]["train"]["seed"]
+            frames.append(g)
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()

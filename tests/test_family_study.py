@@ -1,0 +1,91 @@
+"""family_study: a study's runs read as checkpoint families and judged across seeds (the claims of
+configs/study-family-cpu.toml), on known per-seed values and end to end on tiny runs."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pytest
+from scipy import stats as sps
+
+from qkgeom import family_study as FS
+
+
+def _seeds(early: list[float], late: list[float], heads: dict[int, list[float]]) -> pd.DataFrame:
+    rows = []
+    for seed, (e, lt) in enumerate(zip(early, late, strict=True)):
+        rows += [
+            {"statistic": FS.CONTRAST_TREND, "window": "early", "layer": "mean", "rho": e, "seed": seed},
+            {"statistic": FS.CONTRAST_TREND, "window": "late", "layer": "mean", "rho": lt, "seed": seed},
+            {"statistic": FS.CONTRAST_TREND, "window": "early", "layer": "0", "rho": e / 2, "seed": seed},
+        ]
+        for step, values in heads.items():
+            rows.append({"statistic": FS.HEADS_LINK, "window": f"step_{step}", "layer": "all", "rho": values[seed],
+                         "seed": seed, "step": step})  # fmt: skip
+    out = pd.DataFrame(rows)
+    out["early_max_step"] = 1000
+    return out
+
+
+def _t(v):
+    v = np.asarray(v, float)
+    return sps.t.interval(0.95, len(v) - 1, loc=v.mean(), scale=sps.sem(v))
+
+
+def test_family_claims_on_known_values():
+    early, late = [0.9, 0.8, 0.85, 0.95], [0.1, -0.2, 0.0, 0.3]
+    heads = {0: [-0.9, -0.9, -0.9, -0.9], 10: [0.2, 0.4, 0.3, 0.5], 20: [0.4, 0.6, 0.5, 0.3]}
+    c = FS.family_claims(_seeds(early, late, heads)).set_index("claim")
+    f1 = c.loc[FS.F1]
+    assert f1["value"] == pytest.approx(0.875) and f1["n"] == 4 and f1["verdict"] == "holds"
+    assert (f1["ci_low"], f1["ci_high"]) == pytest.approx(_t(early))
+    decay = np.subtract(early, late)
+    f2 = c.loc[FS.F2]
+    assert f2["value"] == pytest.approx(decay.mean()) and (f2["ci_low"], f2["ci_high"]) == pytest.approx(_t(decay))
+    assert f2["verdict"] == "holds" and c.loc[FS.F3, "verdict"] == "holds"
+    assert c.loc[FS.F6, "verdict"] == "" and c.loc[FS.F6, "value"] == pytest.approx(np.mean(late))  # no sign
+    pooled = np.mean([heads[10], heads[20]], axis=0)  # step 0 (the random init) is left out
+    assert c.loc[FS.F4, "value"] == pytest.approx(pooled.mean())
+    assert (c.loc[FS.F4, "ci_low"], c.loc[FS.F4, "ci_high"]) == pytest.approx(_t(pooled))
+    f5 = c.loc[[FS.F5]]
+    assert list(f5["window"]) == ["step 10", "step 20"]
+    assert f5["value"].to_numpy() == pytest.approx([np.mean(heads[10]), np.mean(heads[20])])
+    assert c.loc[FS.PER_LAYER, "value"] == pytest.approx(0.875 / 2)
+
+
+def test_the_joint_verdict_fails_when_the_trend_grows_late():
+    c = FS.family_claims(_seeds([0.9, 0.8, 0.85, 0.95], [0.99, 0.97, 0.98, 0.99], {})).set_index("claim")
+    assert c.loc[FS.F1, "verdict"] == "holds" and c.loc[FS.F2, "verdict"] == "fails"
+    assert c.loc[FS.F3, "verdict"] == "fails"
+    c = FS.family_claims(_seeds([0.5, -0.4, 0.3, -0.2], [0.1, -0.2, 0.0, 0.3], {})).set_index("claim")
+    assert c.loc[FS.F1, "verdict"] == "inconclusive" and c.loc[FS.F3, "verdict"] in ("inconclusive", "fails")
+
+
+@pytest.mark.usefixtures("wikitext")
+def test_a_family_study_end_to_end(tmp_path, capsys):
+    """Three tiny runs keeping log-spaced checkpoints: exported, analysed as families, judged across
+    seeds in claims.csv, shown in the study report."""
+    from qkgeom.cli import main
+    from qkgeom.sweep import load_sweep, run_sweep
+
+    sweep = tmp_path / "fam.toml"
+    sweep.write_text(
+        '[sweep]\nname = "fam"\nbase = "tiny"\n[set]\n"train.keep_checkpoints" = "log"\n'
+        '[grid]\n"train.seed,train.data_seed" = [[0, 1000], [1, 1001], [2, 1002]]\n'
+    )
+    out = tmp_path / "fam"
+    run_sweep(load_sweep(sweep), out, workers=1, progress=False)
+    assert FS.is_family_study(out)
+    FS.analyse_families(out, early_max_step=10, progress=False, n_tokens=512, seq_len=32, batch_size=4)
+    assert main(["report", str(out)]) == 0, capsys.readouterr().err
+    claims = pd.read_csv(out / "claims.csv")
+    family = claims[claims["study"] == "family"].set_index("claim")
+    assert family.loc[FS.F1, "n"] == 3 and family.loc[FS.F1, "window_start"] == "steps <= 10"
+    seeds = pd.read_csv(out / "family_seeds.csv")
+    early = seeds[(seeds["statistic"] == FS.CONTRAST_TREND) & (seeds["layer"] == "mean") & (seeds["window"] == "early")]
+    assert early["rho"].mean() == pytest.approx(family.loc[FS.F1, "value"])
+    assert set(early["n"]) == {8}  # kept steps 0, 1, 2, 3, 4, 6, 7, 9 of a 40-step run lie in the early window
+    html = (out / "report" / "index.html").read_text()
+    assert "Checkpoint families (the paper" in html and "F3 an early regime that decays" in html
+    assert (out / "report" / "family_seeds_contrast.png").is_file()
+    assert not FS.is_family_study(tmp_path / "fam" / "family")  # exports are not runs
