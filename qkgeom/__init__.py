@@ -15,6 +15,15 @@ except importlib.metadata.PackageNotFoundError:  # a source tree that was never 
     __version__ = "unknown"
 
 
+def __getattr__(name: str):
+    """`qkgeom.Probe` (qkgeom.tracking), imported on first use: a bare `import qkgeom` stays light."""
+    if name == "Probe":
+        from qkgeom.tracking import Probe
+
+        return Probe
+    raise AttributeError(f"module 'qkgeom' has no attribute {name!r}")
+
+
 def load_runs(path: str | Path) -> pd.DataFrame:
     """Tidy geometry rows of every finished run under `path` (see qkgeom.analysis.load_runs)."""
     from qkgeom.analysis import load_runs as _load_runs

@@ -41,7 +41,10 @@ def n_parameters(model_cfg: dict, vocab_size: int) -> int:
 def run_context(run: Path, geometry: pd.DataFrame) -> dict:
     """One run's context row; `geometry` holds its rows (layer-mean normalised entropy at the last probe)."""
     rd = RunDir(run)
-    cfg, done = read_json(rd.config)["config"], read_json(rd.done)
+    info, done = read_json(rd.config), read_json(rd.done)
+    cfg = info["config"]
+    if info.get("source") == "qkgeom.Probe":  # someone else's training run: what the probe knows
+        return external_context(cfg, done, geometry)
     vocab_json = rd.vocab.read_text()
     vocab_size = Vocab.from_json(vocab_json).size
     try:
@@ -63,6 +66,26 @@ def run_context(run: Path, geometry: pd.DataFrame) -> dict:
     }
 
 
+def external_context(cfg: dict, done: dict, geometry: pd.DataFrame) -> dict:
+    """The context row of a qkgeom.Probe run: its tokenizer is not ours, so no unigram baseline;
+    tokens from the last probe's tokens_seen (n/a if the loop did not pass it)."""
+    last = geometry[geometry["step"] == geometry["step"].max()] if len(geometry) else geometry
+    ent = last[(last["metric"] == "attention_entropy_normalised") & (last["head"] == -1)]["value"].mean()
+    tokens = float(last["tokens_seen"].max()) if len(last) else float("nan")
+    tokens = tokens if tokens >= 0 else float("nan")
+    params = cfg["model"]["parameters"]
+    loss = done.get("final_valid_loss")
+    return {
+        "final_valid_loss": float("nan") if loss is None else float(loss),
+        "unigram_baseline": float("nan"),
+        "normalised_entropy": float(ent),
+        "tokens_seen": tokens,
+        "parameters": params,
+        "tokens_per_parameter": tokens / params,
+        "precision": "as trained (qkgeom.Probe)",
+    }
+
+
 def study_context(runs: dict[str, Path], geometry: pd.DataFrame) -> pd.DataFrame:
     """Context rows of every run (index run_id)."""
     ent = geometry[(geometry["metric"] == "attention_entropy_normalised") & (geometry["head"] == -1)]
@@ -72,16 +95,26 @@ def study_context(runs: dict[str, Path], geometry: pd.DataFrame) -> pd.DataFrame
 
 
 def context_sentence(ctx: pd.DataFrame) -> str:
-    """The report's opening box, in words (ranges over runs)."""
+    """The report's opening box, in words (ranges over runs; n/a where no run recorded a value)."""
 
     def span(col: str, fmt: str) -> str:
-        lo, hi = ctx[col].min(), ctx[col].max()
+        x = ctx[col].dropna()
+        if x.empty:
+            return "n/a"
+        lo, hi = x.min(), x.max()
         return format(lo, fmt) if np.isclose(lo, hi) else f"{format(lo, fmt)}-{format(hi, fmt)}"
 
-    base = "n/a (corpus not found)" if ctx["unigram_baseline"].isna().all() else span("unigram_baseline", ".3f")
+    external = ctx["precision"].str.contains("qkgeom.Probe").all()  # someone else's runs and tokenizer
+    if external:
+        loss = f"Final validation loss {span('final_valid_loss', '.3f')} nats/token (as the training loop logged it)"
+    else:
+        base = "n/a (corpus not found)" if ctx["unigram_baseline"].isna().all() else span("unigram_baseline", ".3f")
+        loss = (
+            f"Final validation loss {span('final_valid_loss', '.3f')} nats/char against a character-unigram "
+            f"baseline of {base} nats/char"
+        )
     return (
-        f"Final validation loss {span('final_valid_loss', '.3f')} nats/char against a character-unigram "
-        f"baseline of {base} nats/char; mean normalised attention entropy at the last probe "
+        f"{loss}; mean normalised attention entropy at the last probe "
         f"{span('normalised_entropy', '.2f')} (1 = uniform); {span('tokens_seen', ',.0f')} tokens seen, "
         f"{span('tokens_per_parameter', '.2f')} tokens per parameter ({span('parameters', ',.0f')} parameters); "
         f"precision {', '.join(sorted(set(ctx['precision'])))}."

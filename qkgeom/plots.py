@@ -29,8 +29,8 @@ def _grid(df: pd.DataFrame, size: float = 3.2):
 
 def _band(ax, per_run: pd.DataFrame, color: str, label: str) -> None:
     """per_run: index step, columns runs; mean line and min-max band over runs (seeds)."""
-    ax.plot(per_run.index, per_run.mean(1), color=color, label=label, lw=1.5)
-    ax.fill_between(per_run.index, per_run.min(1), per_run.max(1), color=color, alpha=0.25, lw=0)
+    ax.plot(per_run.index, per_run.mean(axis=1), color=color, label=label, lw=1.5)
+    ax.fill_between(per_run.index, per_run.min(axis=1), per_run.max(axis=1), color=color, alpha=0.25, lw=0)
 
 
 def pr_trajectories(df: pd.DataFrame, post_transient: bool = False) -> Figure:
@@ -222,18 +222,21 @@ def dose_response(points: pd.DataFrame, slopes: pd.DataFrame) -> Figure:
 
 
 def loss_curves(metrics: pd.DataFrame, by: str) -> Figure:
-    """Validation loss against step, one line per run, coloured by the column `by`."""
+    """Validation loss against step, one line per run, coloured by the column `by` (the training
+    loss where no run logged a validation loss, as a qkgeom.Probe loop may not)."""
     fig, ax = plt.subplots(figsize=(6, 4))
-    val = metrics[metrics["split"] == "valid"]
+    split = "valid" if "split" in metrics and (metrics["split"] == "valid").any() else "train"
+    val = metrics[metrics["split"] == split] if "split" in metrics else metrics.iloc[:0]
     cmap = plt.cm.tab10
     for i, (key, g) in enumerate(val.groupby(by)):
         for _, r in g.groupby("run_id"):
             ax.plot(r["step"], r["loss"], color=COLORS.get(str(key), cmap(i % 10)), alpha=0.6, lw=1)
         ax.plot([], [], color=COLORS.get(str(key), cmap(i % 10)), label=f"{by}={key}")
     ax.set_xlabel("step")
-    ax.set_ylabel("validation loss (nats/char)")
-    ax.legend(fontsize=8)
-    ax.set_title("Validation loss")
+    ax.set_ylabel(f"{'validation' if split == 'valid' else 'training'} loss (nats/token)")
+    if len(val):
+        ax.legend(fontsize=8)
+    ax.set_title("Validation loss" if split == "valid" else "Training loss (no validation loss logged)")
     fig.tight_layout()
     return fig
 
@@ -369,5 +372,64 @@ def layer_trajectories(df: pd.DataFrame) -> Figure:
     axes.flat[0].set_ylabel("participation ratio")
     axes.flat[0].legend(fontsize=7)
     fig.suptitle("PR_Q and PR_K per layer (grey: post-transient window)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def family_seeds_contrast(fam: pd.DataFrame, early_max_step: int) -> Figure:
+    """A family study: PR_Q - PR_K (token level) against step per layer and for the layer mean, one
+    thin line per seed and their mean, the early window shaded."""
+    g = fam[(fam["metric"] == "participation_ratio_contrast") & (fam["head"] == -1) & (fam["step"] >= 0)]
+    g = g[g["site"] == one_site(g)["site"].iloc[0]]
+    panels = [(f"layer {layer}", x) for layer, x in g.groupby("layer")] + [("layer mean", g)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), sharey=True, squeeze=False)
+    for ax, (title, x) in zip(axes[0], panels, strict=True):
+        per_seed = x.groupby(["step", "seed"])["value"].mean().unstack("seed")
+        ax.plot(per_seed.index, per_seed.to_numpy(), color="0.6", lw=0.8)
+        ax.plot(per_seed.index, per_seed.mean(axis=1), "-o", color="tab:purple", ms=3, lw=1.6, label="mean over seeds")
+        ax.axvspan(0, early_max_step, color="tab:green", alpha=0.08, label=f"early window (step <= {early_max_step})")
+        ax.axhline(0, color="k", lw=0.5)
+        ax.set_xscale("symlog", linthresh=10)
+        ax.set_xlabel("step")
+        ax.set_title(title, fontsize=9)
+    axes[0, 0].set_ylabel("PR_Q - PR_K")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle("Paired contrast over each seed's checkpoint family (gray: seeds)", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def heads_link(fam: pd.DataFrame, seeds: pd.DataFrame, statistic: str) -> Figure:
+    """A family study: the across-heads Spearman of interaction rank with attention entropy at each
+    revision (per seed and mean with its 95% t-interval), and the per-head scatter at three revisions."""
+    from qkgeom.stats import t_mean_ci
+
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    rho = seeds[(seeds["statistic"] == statistic) & (seeds["step"] > 0)]
+    by_step = rho.groupby("step")["rho"]
+    ci = np.array([t_mean_ci(v.to_numpy()) for _, v in by_step])
+    ax = axes[0]
+    ax.scatter(rho["step"], rho["rho"], s=8, color="0.6", label="seeds")
+    ax.plot(by_step.mean().index, by_step.mean().values, "-o", ms=3, color="tab:purple", label="mean")
+    lo, hi = np.clip(ci[:, 0], -1, 1), np.clip(ci[:, 1], -1, 1)  # a correlation's interval, shown within [-1, 1]
+    ax.fill_between(by_step.mean().index, lo, hi, color="tab:purple", alpha=0.2, lw=0, label="95% t")
+    ax.axhline(0, color="k", lw=0.5)
+    ax.set_xscale("symlog", linthresh=10)
+    ax.set_xlabel("step")
+    ax.set_ylabel("Spearman rho across heads")
+    ax.set_title("interaction rank vs entropy, per revision", fontsize=9)
+    ax.legend(fontsize=7)
+    heads = fam[(fam["head"] >= 0) & (fam["step"] > 0)]
+    steps = sorted(heads["step"].unique())
+    for ax, step in zip(axes[1:], [steps[0], steps[len(steps) // 2], steps[-1]], strict=True):
+        at = heads[heads["step"] == step]
+        ir = one_site(at[at["metric"] == "interaction_rank"]).set_index(["seed", "layer", "head"])["value"]
+        en = one_site(at[at["metric"] == "attention_entropy"]).set_index(["seed", "layer", "head"])["value"]
+        both = pd.concat([ir.rename("ir"), en.rename("en")], axis=1, join="inner").reset_index()
+        ax.scatter(both["ir"], both["en"], c=both["layer"], cmap="viridis", s=14)
+        ax.ticklabel_format(useOffset=False)
+        ax.set_xlabel("interaction rank (head)")
+        ax.set_ylabel("attention entropy (nats)")
+        ax.set_title(f"step {step}: heads of every seed (colour: layer)", fontsize=9)
     fig.tight_layout()
     return fig

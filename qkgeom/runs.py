@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from qkgeom.archs import one_site
 from qkgeom.errors import QKGeomError
 from qkgeom.results import RunDir, is_pretrained_output, read_json
 
@@ -127,6 +128,8 @@ def _checked_geometry(rd: RunDir) -> pd.DataFrame:
     geometry = rd.read_geometry()
     if geometry.empty:
         raise ValueError("geometry.parquet holds no rows")
+    if geometry["site"].nunique() > 1:  # a qkgeom.Probe run of a rotary / q/k-norm model: one site per metric
+        geometry = pd.concat([one_site(g) for _, g in geometry.groupby("metric", sort=False)], ignore_index=True)
     return geometry
 
 

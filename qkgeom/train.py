@@ -26,6 +26,7 @@ from qkgeom.geometry import NumericalWarning
 from qkgeom.model import GPT
 from qkgeom.probe import gpt_weights, probe_gpt
 from qkgeom.results import RunDir, folder_lock, provenance, read_json, write_json
+from qkgeom.scalars import TensorBoardLog
 
 
 class TrainingError(QKGeomError, RuntimeError):
@@ -136,23 +137,36 @@ def _prepare(cfg: C.RunConfig, rd: RunDir, resume: bool) -> None:
         raise TrainingError(f"run folder {rd.path} already holds a run; pass --resume to continue it")
 
 
-def train(cfg: C.RunConfig, run_dir: str | Path, resume: bool = False, progress: bool = True) -> RunDir:
+def train(
+    cfg: C.RunConfig,
+    run_dir: str | Path,
+    resume: bool = False,
+    progress: bool = True,
+    tensorboard: str | Path | None = None,
+) -> RunDir:
     """Train (or resume) one run into `run_dir`; returns its RunDir once done.json is written.
+    tensorboard: a log dir for each probe's layer-mean scalars (qkgeom.scalars).
 
     The folder is locked for the whole run: a second process on it is refused (FolderLockedError).
     """
     C.validate(cfg)
-    with folder_lock(Path(run_dir)):
-        return _train(cfg, RunDir(run_dir), resume, progress)
+    tb = TensorBoardLog(tensorboard) if tensorboard else None  # a missing package fails before training
+    try:
+        with folder_lock(Path(run_dir)):
+            return _train(cfg, RunDir(run_dir), resume, progress, tb)
+    finally:
+        if tb is not None:
+            tb.close()
 
 
-def _train(cfg: C.RunConfig, rd: RunDir, resume: bool, progress: bool) -> RunDir:
+def _train(cfg: C.RunConfig, rd: RunDir, resume: bool, progress: bool, tb: TensorBoardLog | None = None) -> RunDir:
     """The loop, top to bottom: at loop index `step`, probe / evaluate / checkpoint if scheduled,
     stop at the last step, else take one optimiser step."""
     _prepare(cfg, rd, resume)
     if rd.is_done():
         return rd
     run = _Run(cfg, rd, resumed=resume and rd.last_checkpoint.exists())  # else: afresh in the same folder
+    run.tb = tb
     t = cfg.train
     bar = tqdm(
         total=t.steps, initial=run.start, disable=not progress, desc=rd.path.name, unit="step", dynamic_ncols=True
@@ -248,6 +262,7 @@ class _Run:
         self.loss_ceiling = DIVERGED_LOSS_FACTOR * math.log(corpus.vocab.size)
         self.start, self.elapsed0 = 0, 0.0
         self.probe_seconds = 0.0  # this process's time in probes (reported in done.json)
+        self.tb: TensorBoardLog | None = None  # layer-mean scalars per probe, if asked for
         if resumed:
             self._restore()
         else:
@@ -323,6 +338,8 @@ class _Run:
         self.model.train()
         rows = [{"step": step, "tokens_seen": step * self.tokens_per_step, **r} for r in rows]
         self.rd.append_probe(step, rows, spec)  # one part per probe: linear I/O over a run
+        if self.tb is not None:
+            self.tb.write(step, rows)
         self.probe_seconds += time.perf_counter() - tic
 
     def evaluate(self, step: int) -> None:

@@ -12,12 +12,14 @@ LAYERS = [
     {"errors"},  # the project's error class: everything may raise it
     {"config", "geometry", "stats", "archs", "hooks", "executor", "results"},
     {"pretrained_config"},  # maths, tables, plumbing, the disk
-    {"data", "interventions", "model", "plots"},
+    {"data", "interventions", "model", "plots", "scalars"},
     {"probe"},
     {"pretrained", "train"},
+    {"tracking"},
     {"runs", "context"},
     {"analysis"},
     {"sweep", "family", "causal", "export"},
+    {"family_study"},
     {"report"},
     {"family_report"},
     {"cli", "__init__"},

@@ -1,0 +1,321 @@
+"""Follow Q/K geometry during *your own* training run: `qkgeom.Probe`, callable from any loop.
+
+    probe = qkgeom.Probe(model, batch, every=100, out="runs/mine/seed0", seed=0)
+    for step in range(steps + 1):
+        probe(step, tokens_seen=step * tokens_per_step)   # measures only at its schedule
+        ...                                               # your optimiser step
+    probe.finish(steps)
+
+The folder it writes is a run folder (results.py owns the layout: config.json, one part file per
+probe, consolidated into geometry.parquet and spectra.npz by `finish`, then done.json), so
+`qkgeom analyze`, `qkgeom report` and the claims check read it unchanged, and several such folders
+(seeds of one design) under one parent form a study. The model is any supported Hugging Face model
+(qkgeom.archs: GPT-2, GPT-NeoX, Llama family, ...; its own attention is read through the
+transformers attention interface, then restored) or a qkgeom GPT (its hook sites). The callbacks in
+qkgeom.integrations are a few lines over this class.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from qkgeom import archs
+from qkgeom.errors import QKGeomError
+from qkgeom.results import RunDir, folder_lock, provenance, read_json, write_json
+from qkgeom.scalars import TensorBoardLog
+
+
+class ProbeError(QKGeomError, ValueError):
+    """A model or probe batch that qkgeom.Probe cannot measure, or a folder it must not write."""
+
+
+def probe_schedule(step: int, every: int, log_early: bool = True) -> bool:
+    """Whether `step` is a probe step: 0, 1, 2, 4, ... below `every` (if log_early), then every
+    multiple of `every` (qkgeom train's schedule, for a run whose length is not known in advance)."""
+    if step % every == 0:
+        return True
+    return log_early and step < every and step & (step - 1) == 0
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module that holds the weights: through DistributedDataParallel (.module) and torch.compile."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def readable(model: nn.Module) -> nn.Module:
+    """The module Probe reads: `model` unwrapped (DDP, torch.compile), or else the first of its
+    sub-modules that is a qkgeom GPT or a supported Hugging Face model (a LightningModule holding
+    one, a PEFT wrapper). Raises ProbeError naming what it reads if there is none."""
+    model = _unwrap(model)
+    for _, sub in model.named_modules():
+        try:
+            _kind(sub)
+            return sub
+        except ProbeError:
+            continue
+    _kind(model)  # raises, naming the model
+    return model
+
+
+def _kind(model: nn.Module) -> str:
+    """`gpt` (qkgeom's own model: its hook sites) or `hf` (a supported Hugging Face model)."""
+    names = dict(model.named_modules())
+    if "blocks.0.attn.hook_q" in names and "blocks.0.attn.hook_pattern" in names:
+        return "gpt"
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if model_type in archs.ARCHS:
+        return "hf"
+    raise ProbeError(
+        f"qkgeom.Probe cannot read {type(model).__name__}"
+        + (f" (model type {model_type!r})" if model_type else "")
+        + f": it reads qkgeom's GPT and Hugging Face models of types {', '.join(sorted(archs.ARCHS))}; "
+        "for any other model read q, k with hooks and call qkgeom.measure"
+    )
+
+
+def _n_layers(model: nn.Module, kind: str) -> int | None:
+    if kind == "gpt":
+        return len(model.blocks)
+    if kind == "hf":
+        return len(archs.arch_of(model).weights(model)[0])
+    return None  # a capture function's model: known at the first probe
+
+
+# capture(model, batch) -> {"q": per-layer (B, H_q, T, E), "k": (B, H_kv, T, E), optional
+# "pattern": (B, H_q, T, T) per layer, "w_q", "w_k": per-layer (H, D, E), "causal": bool}
+Capture = Callable[[nn.Module, torch.Tensor], dict[str, Any]]
+
+
+class Probe:
+    """Measures `model` on one fixed `batch` of input ids (B, T) at steps 0, 1, 2, 4, ... below
+    `every`, then every `every` steps, into the run folder `out`.
+
+    steps: the run's length if known (recorded; `finish` takes the final one). seed, data_seed:
+    the run's seeds, as analyze groups runs by them. logit_max_seqs: sequences of the batch whose
+    T x T logit spectrum is taken (0 = all). tensorboard: a log dir for the layer-mean scalars
+    (qkgeom.scalars). resume: continue a folder an interrupted run left (probes after the first
+    step probed again are replaced); without it such a folder is refused. capture: for any other
+    model, a function (model, batch) -> {"q", "k", optional "pattern", "w_q", "w_k", "causal"} with
+    the shapes of qkgeom.measure (e.g. read with forward hooks); it runs under no_grad in eval mode.
+    The folder is locked from here to `finish`/`close`: a second process on it is refused."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        batch: torch.Tensor,
+        every: int = 100,
+        out: str | Path = "runs/probe",
+        *,
+        steps: int | None = None,
+        seed: int = 0,
+        data_seed: int | None = None,
+        name: str | None = None,
+        log_early: bool = True,
+        logit_max_seqs: int = 4,
+        tensorboard: str | Path | None = None,
+        resume: bool = False,
+        capture: Capture | None = None,
+    ) -> None:
+        if every < 1:
+            raise ProbeError(f"every must be a positive number of steps, got {every}")
+        batch = batch["input_ids"] if isinstance(batch, dict) else batch
+        if (
+            not isinstance(batch, torch.Tensor)
+            or batch.dim() != 2
+            or batch.is_floating_point()
+            or batch.is_complex()
+            or batch.dtype == torch.bool
+        ):
+            raise ProbeError("the probe batch must be input ids, an integer tensor (batch, seq_len)")
+        self.capture = capture
+        self.model = _unwrap(model) if capture else readable(model)
+        self.kind = "capture" if capture else _kind(self.model)
+        self.batch, self.every, self.log_early = batch.long(), every, log_early
+        self.logit_max_seqs, self.steps, self.last_step = logit_max_seqs, steps, -1
+        self.rd = RunDir(out)
+        self._lock = contextlib.ExitStack()
+        self._lock.enter_context(folder_lock(self.rd.path))  # also creates the folder
+        try:
+            self._check_folder(resume)
+        except BaseException:
+            self._lock.close()
+            raise
+        self.resuming = resume and self.rd.config.exists()
+        inner = self.model
+        self.info = {
+            "run_id": self.rd.path.name,
+            "source": "qkgeom.Probe",  # not a qkgeom train run: no vocab.json, no checkpoints
+            "config": {
+                "name": name or self.rd.path.name,
+                "data": {"source": "external", "tokenizer": "external"},
+                "model": {
+                    "class": type(inner).__name__,
+                    "model_type": getattr(getattr(inner, "config", None), "model_type", "qkgeom-gpt"),
+                    "n_layers": _n_layers(inner, self.kind),
+                    "qk_init": "default",
+                    "parameters": sum(p.numel() for p in inner.parameters()),
+                },
+                "train": {
+                    "seed": seed,
+                    "data_seed": seed if data_seed is None else data_seed,
+                    "steps": steps,
+                    "warmup_steps": 0,
+                },  # fmt: skip
+                "probe": {
+                    "every": every,
+                    "log_early": log_early,
+                    "n_seqs": int(batch.shape[0]),
+                    "seq_len": int(batch.shape[1]),
+                    "logit_max_seqs": logit_max_seqs,
+                },  # fmt: skip
+                "intervention": {"kind": "none"},
+            },
+            "probe_tokens": int(batch.numel()),
+            "provenance": provenance(),
+        }
+        if not self.resuming:
+            write_json(self.rd.config, self.info)
+        self.tb = TensorBoardLog(tensorboard) if tensorboard else None
+        self.t0, self.probe_seconds = time.perf_counter(), 0.0
+
+    def _check_folder(self, resume: bool) -> None:
+        rd = self.rd
+        if rd.is_done():
+            raise ProbeError(f"{rd.path} holds a finished run; choose another out folder or delete it")
+        if rd.config.exists() and not resume:
+            raise ProbeError(
+                f"{rd.path} holds probes of an interrupted run: pass resume=True to continue it "
+                "(later probes are replaced), or choose another out folder"
+            )
+        if rd.config.exists() and read_json(rd.config).get("source") != "qkgeom.Probe":
+            raise ProbeError(f"{rd.path} is not a qkgeom.Probe folder; choose another out folder")
+
+    def due(self, step: int) -> bool:
+        """Whether `step` is on the probe schedule."""
+        return probe_schedule(step, self.every, self.log_early)
+
+    def __call__(self, step: int, tokens_seen: int | None = None, force: bool = False) -> bool:
+        """Probe at `step` if it is due (or `force`); True if it probed. tokens_seen: training
+        tokens so far (recorded; -1 if not given)."""
+        if not force and (step <= self.last_step or not self.due(step)):
+            return False  # (a step seen again: gradient accumulation calls back once per micro-batch)
+        tic = time.perf_counter()
+        if self.resuming and self.last_step < 0:
+            self.rd.drop_probes_after(step - 1)  # what the interrupted run probed from here on is redone
+        rows, spectra = self.measure()
+        rows = [{"step": step, "tokens_seen": -1 if tokens_seen is None else int(tokens_seen), **r} for r in rows]
+        self.rd.append_probe(step, rows, spectra)
+        if self.tb is not None:
+            self.tb.write(step, rows)
+        self.last_step = max(self.last_step, step)
+        self.probe_seconds += time.perf_counter() - tic
+        return True
+
+    @torch.no_grad()
+    def measure(self) -> tuple[list[dict], dict]:
+        """The geometry rows and spectra of the model now, on the probe batch (nothing written).
+        The model's training mode, and a Hugging Face model's attention implementation, are restored."""
+        from qkgeom.pretrained import analyse_model
+        from qkgeom.probe import probe_gpt
+
+        model = self.model
+        was_training = model.training
+        device = next(model.parameters()).device
+        model.eval()
+        try:
+            if self.kind == "gpt":
+                return probe_gpt(model, self.batch.to(device), self.logit_max_seqs or None)
+            if self.kind == "capture":
+                return self._captured(model, self.batch.to(device))
+            impl = model.config._attn_implementation
+            try:
+                return analyse_model(model, iter([self.batch.to(device)]), logit_max_seqs=self.logit_max_seqs or None)
+            finally:
+                if model.config._attn_implementation != impl:
+                    model.set_attn_implementation(impl)
+        finally:
+            model.train(was_training)
+
+    def _captured(self, model: nn.Module, batch: torch.Tensor) -> tuple[list[dict], dict]:
+        from qkgeom.probe import GeometryAccumulator, QKSnapshot, check_activations, weight_geometry
+
+        got = self.capture(model, batch)
+        qs, ks = [t.detach() for t in got["q"]], [t.detach() for t in got["k"]]
+        pats = [None if p is None else p.detach() for p in got.get("pattern") or [None] * len(qs)]
+        check_activations(qs, ks, pats)
+        acc = GeometryAccumulator(logit_max_seqs=self.logit_max_seqs or None)
+        acc.update(QKSnapshot(q=qs, k=ks, pattern=pats, causal=got.get("causal", True)))
+        rows, spectra = acc.rows(), acc.spectra()
+        if got.get("w_q") is not None and got.get("w_k") is not None:
+            w_rows, w_spectra = weight_geometry([w.detach() for w in got["w_q"]], [w.detach() for w in got["w_k"]])
+            rows, spectra = rows + w_rows, spectra | w_spectra
+        self.info["config"]["model"]["n_layers"] = len(qs)
+        return rows, spectra
+
+    def log_metrics(self, step: int, loss: float, split: str = "train", tokens_seen: int | None = None) -> None:
+        """A loss for the report's curves (metrics.jsonl: step, tokens_seen, split, loss)."""
+        row = {"step": step, "tokens_seen": -1 if tokens_seen is None else tokens_seen, "split": split}
+        self.rd.append_metrics({**row, "loss": float(loss)})
+
+    def finish(
+        self, steps: int | None = None, tokens_seen: int | None = None, final_valid_loss: float | None = None
+    ) -> Path:
+        """Close the run: a last probe at `steps` if it was not probed yet (as qkgeom train probes
+        its last step), the probes consolidated, config.json's train.steps set (`steps`, the one
+        given at construction, or the last step probed), done.json written last. final_valid_loss:
+        recorded (default: the last validation loss logged). Returns the folder."""
+        if steps is not None and steps > self.last_step:
+            self(steps, tokens_seen, force=True)
+        if self.last_step < 0 and not self.rd.geometry_parts.is_dir():
+            self.close()
+            raise ProbeError(f"no probe was taken, so {self.rd.path} would hold no geometry; call the probe at step 0")
+        steps = steps if steps is not None else self.steps if self.steps is not None else self.last_step
+        info = read_json(self.rd.config)
+        info["config"]["train"]["steps"] = int(steps)
+        if info["config"]["model"]["n_layers"] is None:  # a capture function's model
+            info["config"]["model"]["n_layers"] = self.info["config"]["model"]["n_layers"] or int(
+                self.rd.read_geometry()["layer"].max() + 1
+            )
+        write_json(self.rd.config, info)
+        self.rd.consolidate_probes()
+        if final_valid_loss is None:
+            valid = [r["loss"] for r in self.rd.read_metrics() if r.get("split") == "valid"]
+            final_valid_loss = valid[-1] if valid else None
+        write_json(
+            self.rd.done,
+            {
+                "step": int(steps),
+                "elapsed": time.perf_counter() - self.t0,
+                "probe_seconds": self.probe_seconds,
+                "final_valid_loss": final_valid_loss,
+            },
+        )
+        self.close()
+        return self.rd.path
+
+    def close(self) -> None:
+        """Release the folder (and the TensorBoard writer) without finishing the run."""
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+        self._lock.close()
+
+    def __enter__(self) -> Probe:
+        return self
+
+    def __exit__(self, exc_type, *_: Any) -> None:
+        if exc_type is None and not self.rd.is_done():
+            self.finish()
+        else:
+            self.close()

@@ -1,0 +1,117 @@
+"""The callbacks through the real trainers: a Hugging Face `Trainer` run and a Lightning run of tiny
+random models, each giving run folders that `qkgeom analyze` and `qkgeom report` read; and the core
+never imports them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pandas as pd
+import torch
+
+from qkgeom.results import read_json
+from tests.conftest import REPO
+
+VOCAB, T, B = 40, 32, 8
+
+
+def blocks(n: int = 256) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n, T), generator=torch.Generator().manual_seed(7))
+
+
+def test_trainer_callback_runs_to_analyze_and_report(tmp_path, capsys):
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from qkgeom.cli import main
+    from qkgeom.integrations.transformers import QKGeometryCallback
+
+    data = [{"input_ids": b, "labels": b} for b in blocks()]
+    histories = {}
+    for seed in (0, 1):
+        torch.manual_seed(seed)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=32, n_layer=2, n_head=4))
+        args = TrainingArguments(
+            str(tmp_path / f"hf{seed}"), max_steps=24, per_device_train_batch_size=B, learning_rate=3e-3, seed=seed,
+            logging_steps=8, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
+        )  # fmt: skip
+        callback = QKGeometryCallback(blocks()[:4], tmp_path / "runs" / f"seed{seed}", every=8, tokens_per_step=B * T)
+        trainer = Trainer(model, args, train_dataset=data, callbacks=[callback])
+        trainer.train()
+        histories[seed] = trainer.state.log_history
+    run = tmp_path / "runs" / "seed1"
+    g = pd.read_parquet(run / "geometry.parquet")
+    assert sorted(g["step"].unique()) == [0, 1, 2, 4, 8, 16, 24]
+    assert set(g.loc[g["step"] == 16, "tokens_seen"]) == {16 * B * T}
+    cfg = read_json(run / "config.json")["config"]
+    assert (cfg["train"]["seed"], cfg["train"]["steps"], cfg["model"]["n_layers"]) == (1, 24, 2)
+    logged = {h["step"]: h["loss"] for h in histories[1] if "loss" in h}
+    train_rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"]: r["loss"] for r in train_rows if r["split"] == "train"} == logged  # the Trainer's own losses
+
+    assert main(["analyze", str(tmp_path / "runs")]) == 0, capsys.readouterr().err
+    claims = pd.read_csv(tmp_path / "runs" / "claims.csv")
+    contrast = claims[claims["claim"].str.startswith("PR_Q - PR_K > 0") & (claims["group"] == "all")]
+    assert set(contrast["n"]) == {2}  # two seeds, one design
+    assert main(["report", str(tmp_path / "runs")]) == 0
+    assert (tmp_path / "runs" / "report" / "index.html").is_file()
+
+
+def test_lightning_callback_runs_to_analyze_and_report(tmp_path, capsys):
+    import lightning as L
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from qkgeom.cli import main
+    from qkgeom.integrations.lightning import QKGeometryCallback
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            config = LlamaConfig(
+                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=T,
+            )  # fmt: skip
+            self.model = LlamaForCausalLM(config)  # rotary and grouped-query attention: two q/k sites
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    for seed in (0, 1):
+        L.seed_everything(seed, verbose=False)
+        callback = QKGeometryCallback(blocks()[:4], tmp_path / "runs" / f"seed{seed}", every=5, seed=seed)
+        trainer = L.Trainer(
+            max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False, accumulate_grad_batches=2, callbacks=[callback],
+        )  # fmt: skip
+        trainer.fit(LM(), torch.utils.data.DataLoader(blocks(), batch_size=B))
+    g = pd.read_parquet(tmp_path / "runs" / "seed0" / "geometry.parquet")
+    # two micro-batches per optimiser step: each step is probed once
+    assert sorted(g["step"].unique()) == [0, 1, 2, 4, 5, 10, 12]
+    assert len(g[(g["step"] == 5) & (g["metric"] == "key_participation_ratio") & (g["head"] == -1)]) == 4  # 2 sites
+    from qkgeom import load_runs
+
+    rows = load_runs(tmp_path / "runs")  # one site per metric for a training-run analysis
+    assert rows.groupby(["run_id", "step", "layer", "head", "metric"]).size().max() == 1
+    assert set(rows.loc[rows["metric"] == "key_participation_ratio", "site"]) == {"post_rotary"}
+    assert main(["analyze", str(tmp_path / "runs")]) == 0, capsys.readouterr().err
+    assert main(["report", str(tmp_path / "runs")]) == 0
+    losses = [json.loads(x) for x in (tmp_path / "runs" / "seed0" / "metrics.jsonl").read_text().splitlines()]
+    assert len(losses) == 24 and np.isfinite([r["loss"] for r in losses]).all()  # one per micro-batch
+
+
+def test_the_core_never_imports_the_integrations():
+    code = (
+        "import sys, qkgeom, qkgeom.cli, qkgeom.report, qkgeom.tracking, qkgeom.train\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('lightning', 'accelerate', 'tensorboard')"
+        " or m.startswith('qkgeom.integrations'))\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
+    from tests.test_layering import imports_of  # every import, also inside functions
+
+    assert not [p.name for p in (REPO / "qkgeom").glob("*.py") if "integrations" in imports_of(p)]
