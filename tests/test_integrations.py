@@ -10,6 +10,7 @@ import sys
 
 import numpy as np
 import pandas as pd
+import pytest
 import torch
 
 from qkgeom.results import read_json
@@ -115,3 +116,41 @@ def test_the_core_never_imports_the_integrations():
     from tests.test_layering import imports_of  # every import, also inside functions
 
     assert not [p.name for p in (REPO / "qkgeom").glob("*.py") if "integrations" in imports_of(p)]
+
+
+def test_trainer_resume_from_checkpoint_continues_the_run_folder(tmp_path):
+    """A Trainer run that dies at step 12 and resumes from its step-8 checkpoint ends with the
+    probes of an uninterrupted run."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+    from qkgeom.integrations.transformers import QKGeometryCallback
+
+    class Crash(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 12:
+                raise RuntimeError("crash at step 12")
+
+    data = [{"input_ids": b, "labels": b} for b in blocks()]
+
+    def trainer(name: str, callbacks: list) -> Trainer:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=32, n_layer=2, n_head=4))
+        args = TrainingArguments(
+            str(tmp_path / name), max_steps=16, per_device_train_batch_size=B, learning_rate=3e-3, seed=0,
+            save_steps=8, report_to=[], use_cpu=True, disable_tqdm=True,
+        )  # fmt: skip
+        return Trainer(model, args, train_dataset=data, callbacks=callbacks)
+
+    trainer("whole", [QKGeometryCallback(blocks()[:4], tmp_path / "whole", every=8)]).train()
+    callback = QKGeometryCallback(blocks()[:4], tmp_path / "resumed", every=8)
+    with pytest.raises(RuntimeError, match="crash at step 12"):
+        trainer("ckpt", [callback, Crash()]).train()
+    assert not (tmp_path / "resumed" / "done.json").exists()
+    trainer("ckpt", [callback]).train(resume_from_checkpoint=str(tmp_path / "ckpt" / "checkpoint-8"))
+    whole = pd.read_parquet(tmp_path / "whole" / "geometry.parquet")
+    resumed = pd.read_parquet(tmp_path / "resumed" / "geometry.parquet")
+    assert sorted(resumed["step"].unique()) == sorted(whole["step"].unique()) == [0, 1, 2, 4, 8, 16]
+    key = ["step", "layer", "head", "site", "metric"]
+    merged = whole.merge(resumed, on=key, suffixes=("_whole", "_resumed"))
+    assert len(merged) == len(whole) == len(resumed)
+    np.testing.assert_allclose(merged["value_resumed"], merged["value_whole"], rtol=1e-5, atol=1e-8)

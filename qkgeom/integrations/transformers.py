@@ -4,7 +4,9 @@ qkgeom's probe schedule, into a run folder that `qkgeom analyze` and `qkgeom rep
     trainer = Trainer(model, args, train_dataset=..., callbacks=[QKGeometryCallback(batch, "runs/mine/seed0")])
 
 Only the main process probes (state.is_world_process_zero). Losses the Trainer logs (loss,
-eval_loss) go to the folder's metrics.jsonl for the report's curves.
+eval_loss) go to the folder's metrics.jsonl for the report's curves. `trainer.train(
+resume_from_checkpoint=...)` continues the run folder: probes after the checkpoint's step are
+redone. After a train() that raised, pass the same callback again (it releases the folder first).
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ class QKGeometryCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         if not state.is_world_process_zero:
             return
+        if self.probe is not None:  # an earlier train() of this callback raised: release its folder
+            self.probe.close()
         kw = {"seed": args.seed, "data_seed": args.data_seed, "steps": state.max_steps or None} | self.probe_kwargs
         self.probe = Probe(model, self.batch, self.every, self.out, resume=state.global_step > 0, **kw)
         self.probe(state.global_step, self._tokens(state))
