@@ -92,6 +92,15 @@ def _n_layers(model: nn.Module, kind: str) -> int | None:
     return None  # a capture function's model: known at the first probe
 
 
+def _model_config(model: nn.Module) -> dict | None:
+    config = getattr(model, "config", None)
+    if hasattr(config, "to_json_string"):
+        import json
+
+        return json.loads(config.to_json_string(use_diff=False))
+    return None
+
+
 # capture(model, batch) -> {"q": per-layer (B, H_q, T, E), "k": (B, H_kv, T, E), optional
 # "pattern": (B, H_q, T, T) per layer, "w_q", "w_k": per-layer (H, D, E), "causal": bool}
 Capture = Callable[[nn.Module, torch.Tensor], dict[str, Any]]
@@ -181,6 +190,7 @@ class Probe:
                 },  # fmt: skip
                 "intervention": {"kind": "none"},
             },
+            "model_config": _model_config(inner),  # a Hugging Face model's own config, as it would save it
             "probe_tokens": int(batch.numel()),
             "provenance": provenance(),
         }

@@ -62,7 +62,9 @@ def test_probe_rows_match_an_independent_recomputation_and_leave_the_model_as_it
     assert sorted(g["step"].unique()) == [0, 1, 2, 4, 8, 10, 12]  # the schedule, then finish's last step
     assert set(g.loc[g["step"] == 4, "tokens_seen"]) == {4 * 8 * T}
     assert read_json(out / "config.json")["config"]["train"]["steps"] == 12
-    assert read_json(out / "config.json")["config"]["model"]["n_layers"] == 2
+    info = read_json(out / "config.json")
+    assert info["config"]["model"]["n_layers"] == 2 and info["model_config"]["n_embd"] == 32  # what was probed
+    assert info["config"]["probe"] == {"every": 10, "log_early": True, "n_seqs": 4, "seq_len": T, "logit_max_seqs": 4}
     assert (out / "done.json").is_file() and not (out / "geometry.parts").exists()
 
     # the last probe equals the in-memory analysis of the final model on the same batch
