@@ -100,8 +100,12 @@ def verdicts(claims: pd.DataFrame) -> pd.DataFrame:
         for lo, hi in sel[["ci_low", "ci_high"]].itertuples(index=False)
     ]
     reading = [
-        f"rules out |effect| > {_fmt(m)} (80% power)" if v == "inconclusive" and pd.notna(m) else ""
-        for v, m in zip(sel["verdict"], mde, strict=True)
+        "no seed has enough probes in this window: train longer or probe more often"
+        if n == 0
+        else f"rules out |effect| > {_fmt(m)} (80% power)"
+        if v == "inconclusive" and pd.notna(m)
+        else ""
+        for v, m, n in zip(sel["verdict"], mde, sel["n"], strict=True)
     ]
     return pd.DataFrame(
         {
