@@ -45,9 +45,19 @@ def describe_study(path: Path) -> str:
         else:
             parts.append(f"{key.split('.')[-1]} in {values}")
     n_runs = math.prod(len(v) for v in grid.values())
-    settings = ", ".join(f"{k.split('.')[-1]}={v}" for k, v in fixed.items() if not k.startswith("intervention."))
-    return f"{n_runs} runs on the {spec['sweep'].get('base', '?')} preset: {' x '.join(parts)}" + (
-        f"; {settings}" if settings else ""
+
+    def shown(v):  # a long list (kept checkpoint steps) as its ends and length
+        return f"[{v[0]}, {v[1]}, ..., {v[-1]}] ({len(v)})" if isinstance(v, list) and len(v) > 6 else v
+
+    settings = ", ".join(
+        f"{k.split('.')[-1]}={shown(v)}" for k, v in fixed.items() if not k.startswith("intervention.")
+    )
+    kept = fixed.get("train.checkpoint_steps", [])
+    family = len(kept) >= 5 or fixed.get("train.keep_checkpoints") == "log"
+    return (
+        f"{n_runs} runs on the {spec['sweep'].get('base', '?')} preset: {' x '.join(parts)}"
+        + (f"; {settings}" if settings else "")
+        + ("; each run then read as a checkpoint family" if family else "")
     )
 
 
