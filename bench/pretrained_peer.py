@@ -91,7 +91,7 @@ def main() -> None:
 
     peer_rows(model, token_batches(tokens, 256, 8, 2048), cfg.n_layer, cfg.n_embd)  # warm-up: imports, first calls
     analyse_model(model, token_batches(tokens, 256, 8, 2048))
-    print(f"GPT-2-small-shaped model, random weights; {args.tokens} tokens in batches of 8 x 256, {args.threads} threads")
+    print(f"GPT-2-small shape, random weights; {args.tokens} tokens, batches of 8 x 256, {args.threads} threads")
     ratios, tps, mem = [], {"peer": [], "ours": []}, {"peer": 0, "ours": 0}
     for _ in range(args.rounds):
         s_peer, m_peer = measure(run_peer)
