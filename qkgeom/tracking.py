@@ -153,12 +153,13 @@ class Probe:
         self.batch, self.every, self.log_early = batch.long(), every, log_early
         self.logit_max_seqs, self.steps, self.last_step = logit_max_seqs, steps, -1
         self.rd = RunDir(out)
+        self.tb = TensorBoardLog(tensorboard) if tensorboard else None  # a missing package: refused before the lock
         self._lock = contextlib.ExitStack()
         self._lock.enter_context(folder_lock(self.rd.path))  # also creates the folder
         try:
             self._check_folder(resume)
         except BaseException:
-            self._lock.close()
+            self.close()
             raise
         self.resuming = resume and self.rd.config.exists()
         inner = self.model
@@ -170,7 +171,9 @@ class Probe:
                 "data": {"source": "external", "tokenizer": "external"},
                 "model": {
                     "class": type(inner).__name__,
-                    "model_type": getattr(getattr(inner, "config", None), "model_type", "qkgeom-gpt"),
+                    "model_type": {"gpt": "qkgeom-gpt", "capture": "custom (capture function)"}.get(
+                        self.kind, getattr(getattr(inner, "config", None), "model_type", None)
+                    ),
                     "n_layers": _n_layers(inner, self.kind),
                     "qk_init": "default",
                     "parameters": sum(p.numel() for p in inner.parameters()),
@@ -180,14 +183,14 @@ class Probe:
                     "data_seed": seed if data_seed is None else data_seed,
                     "steps": steps,
                     "warmup_steps": 0,
-                },  # fmt: skip
+                },
                 "probe": {
                     "every": every,
                     "log_early": log_early,
                     "n_seqs": int(batch.shape[0]),
                     "seq_len": int(batch.shape[1]),
                     "logit_max_seqs": logit_max_seqs,
-                },  # fmt: skip
+                },
                 "intervention": {"kind": "none"},
             },
             "model_config": _model_config(inner),  # a Hugging Face model's own config, as it would save it
@@ -196,7 +199,6 @@ class Probe:
         }
         if not self.resuming:
             write_json(self.rd.config, self.info)
-        self.tb = TensorBoardLog(tensorboard) if tensorboard else None
         self.t0, self.probe_seconds = time.perf_counter(), 0.0
 
     def _check_folder(self, resume: bool) -> None:

@@ -107,7 +107,8 @@ def test_a_model_read_through_a_capture_function(tmp_path):
             probe(step)
     g = pd.read_parquet(tmp_path / "run" / "geometry.parquet")
     assert sorted(g["step"].unique()) == [0, 1, 2, 4, 5]
-    assert read_json(tmp_path / "run" / "config.json")["config"]["model"]["n_layers"] == 1
+    model_info = read_json(tmp_path / "run" / "config.json")["config"]["model"]
+    assert model_info["n_layers"] == 1 and model_info["model_type"] == "custom (capture function)"
     got = capture(model, fixed_batch())
     ref = qkgeom.measure(got["q"], got["k"], got["pattern"]).set_index(["layer", "head", "metric"])["value"]
     mine = g[g["step"] == 5].set_index(["layer", "head", "metric"])["value"]
