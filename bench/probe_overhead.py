@@ -66,6 +66,10 @@ def main() -> None:
         f"Trainer, GPT-2 d_model {args.d_model} x {args.layers} layers, batch {args.batch} x {args.ctx}, "
         f"{args.steps} steps, {args.threads} threads; probe every 100 steps (+ log-spaced early), 10 sequences"
     )
+    with tempfile.TemporaryDirectory() as tmp:  # warm-up: first Trainer, first probe (imports, allocator)
+        short = argparse.Namespace(**{**vars(args), "steps": 20})
+        run(short, blocks, vocab, None)
+        run(short, blocks, vocab, Path(tmp) / "run")
     overheads, shares = [], []
     for r in range(args.rounds):
         with tempfile.TemporaryDirectory() as tmp:
