@@ -117,16 +117,19 @@ def analyse_family(
     executor: str = "local",
     address: str | None = None,
     progress: bool = True,
+    label: str | None = None,
 ) -> list[Path]:
     """Every revision through `analyse_revision` via qkgeom.executor (in this process, or as Ray
-    tasks). Finished revisions are skipped either way (done.json), so an interrupted family resumes."""
+    tasks). Finished revisions are skipped either way (done.json), so an interrupted family resumes.
+    label: the progress bar's name (default: the model folder's)."""
     from tqdm.auto import tqdm
 
     from qkgeom.executor import Job, run_jobs
 
     local_progress = progress and len(revisions) == 1 and executor == "local"
     jobs = [Job(rev or "main", (pc, rev, out, tokens_fn, local_progress)) for rev in revisions]
-    bar = tqdm(total=len(revisions), desc=Path(pc.model).name, unit="rev", disable=not progress or len(revisions) == 1)
+    desc = label or Path(pc.model).name
+    bar = tqdm(total=len(revisions), desc=desc, unit="rev", disable=not progress or len(revisions) == 1)
     folders = []
     for _, folder in run_jobs(analyse_revision, jobs, executor, workers=1, threads=1, address=address):
         folders.append(folder)
@@ -167,7 +170,12 @@ def sample_text(pc: PretrainedConfig) -> str:
 
 
 def run_pretrained(
-    pc: PretrainedConfig, out: Path, executor: str = "local", address: str | None = None, progress: bool = True
+    pc: PretrainedConfig,
+    out: Path,
+    executor: str = "local",
+    address: str | None = None,
+    progress: bool = True,
+    label: str | None = None,
 ) -> list[Path]:
     """The whole `qkgeom pretrained` job: revisions, text, tokens (the model's own tokenizer, or the
     vocabulary of an exported qkgeom run), then every revision analysed into out/<revision>/."""
@@ -188,7 +196,7 @@ def run_pretrained(
             )
         return cache[key]
 
-    return analyse_family(pc, family_revisions(pc), Path(out), tokens_fn, executor, address, progress)
+    return analyse_family(pc, family_revisions(pc), Path(out), tokens_fn, executor, address, progress, label)
 
 
 # one row per revision in revisions.csv and the report (logit_seqs: the logit-spectrum sample)

@@ -68,7 +68,7 @@ def analyse_families(
         if not all((export / f"step_{s}" / "config.json").is_file() for s in kept):
             export_run(run, export)
         pc = PretrainedConfig(model=str(export), all_revisions=True, early_max_step=early_max_step, **settings)
-        run_pretrained(pc, analysis, progress=progress)
+        run_pretrained(pc, analysis, progress=progress, label=run.name)
         out[run.name] = analysis
     return out
 
