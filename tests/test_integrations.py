@@ -154,3 +154,52 @@ def test_trainer_resume_from_checkpoint_continues_the_run_folder(tmp_path):
     merged = whole.merge(resumed, on=key, suffixes=("_whole", "_resumed"))
     assert len(merged) == len(whole) == len(resumed)
     np.testing.assert_allclose(merged["value_resumed"], merged["value_whole"], rtol=1e-5, atol=1e-8)
+
+
+def test_lightning_resume_from_checkpoint_continues_the_run_folder(tmp_path):
+    """fit(ckpt_path=...) after a crash continues the Probe's folder: the probes after the checkpoint
+    are redone and the run ends with the steps of an uninterrupted one."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from qkgeom.integrations.lightning import QKGeometryCallback
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=32, n_layer=2, n_head=4))
+
+        def training_step(self, batch, batch_idx):
+            if self.trainer.global_step == 12 and self.crash:
+                raise RuntimeError("crash at step 12")
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def fit(module, callback, ckpt_path=None) -> None:
+        saver = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=8, save_top_k=-1)
+        trainer = L.Trainer(
+            max_steps=16, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[callback, saver],
+        )  # fmt: skip
+        trainer.fit(module, torch.utils.data.DataLoader(blocks(), batch_size=B), ckpt_path=ckpt_path)
+
+    callback = QKGeometryCallback(blocks()[:4], tmp_path / "run", every=8)
+    first = LM()
+    first.crash = True
+    with pytest.raises(RuntimeError, match="crash at step 12"):
+        fit(first, callback)
+    assert not (tmp_path / "run" / "done.json").exists()
+    second = LM()
+    second.crash = False
+    fit(
+        second,
+        QKGeometryCallback(blocks()[:4], tmp_path / "run", every=8),
+        ckpt_path=tmp_path / "ckpt" / "epoch=0-step=8.ckpt",
+    )
+    g = pd.read_parquet(tmp_path / "run" / "geometry.parquet")
+    assert sorted(g["step"].unique()) == [0, 1, 2, 4, 8, 16]
+    assert read_json(tmp_path / "run" / "done.json")["step"] == 16
