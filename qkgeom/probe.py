@@ -307,18 +307,34 @@ def measure(
     """
     import pandas as pd
 
+    return pd.DataFrame(activation_geometry(q, k, pattern, causal, w_q, w_k)[0])
+
+
+def activation_geometry(
+    q: list[Tensor] | Tensor,
+    k: list[Tensor] | Tensor,
+    pattern: list[Tensor | None] | Tensor | None = None,
+    causal: bool = True,
+    w_q: list[Tensor] | None = None,
+    w_k: list[Tensor] | None = None,
+    logit_max_seqs: int | None = None,
+) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """measure()'s rows as dicts, with the spectra: checked, detached activations through one
+    GeometryAccumulator, plus the weight-side rows when w_q and w_k are given."""
+
     def layers(x) -> list:
         return [x.detach()] if isinstance(x, Tensor) else [t.detach() if t is not None else None for t in x]
 
     qs, ks = layers(q), layers(k)
     pats = layers(pattern) if pattern is not None else [None] * len(qs)
     check_activations(qs, ks, pats)
-    acc = GeometryAccumulator()
+    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs)
     acc.update(QKSnapshot(q=qs, k=ks, pattern=pats, causal=causal))
-    rows = acc.rows()
+    rows, spectra = acc.rows(), acc.spectra()
     if w_q is not None and w_k is not None:
-        rows += weight_geometry(w_q, w_k)[0]
-    return pd.DataFrame(rows)
+        w_rows, w_spectra = weight_geometry(layers(w_q), layers(w_k))
+        rows, spectra = rows + w_rows, spectra | w_spectra
+    return rows, spectra
 
 
 def gpt_snapshot(model: torch.nn.Module, idx: Tensor) -> QKSnapshot:

@@ -70,12 +70,14 @@ def readable(model: nn.Module) -> nn.Module:
 
 def _kind(model: nn.Module) -> str:
     """`gpt` (qkgeom's own model: its hook sites) or `hf` (a supported Hugging Face model)."""
-    names = dict(model.named_modules())
-    if "blocks.0.attn.hook_q" in names and "blocks.0.attn.hook_pattern" in names:
-        return "gpt"
     model_type = getattr(getattr(model, "config", None), "model_type", None)
     if model_type in archs.ARCHS:
         return "hf"
+    try:  # a path lookup, not a walk of every module (readable() asks this of each sub-module)
+        model.get_submodule("blocks.0.attn.hook_q"), model.get_submodule("blocks.0.attn.hook_pattern")
+        return "gpt"
+    except AttributeError:
+        pass
     raise ProbeError(
         f"qkgeom.Probe cannot read {type(model).__name__}"
         + (f" (model type {model_type!r})" if model_type else "")
@@ -260,20 +262,13 @@ class Probe:
             model.train(was_training)
 
     def _captured(self, model: nn.Module, batch: torch.Tensor) -> tuple[list[dict], dict]:
-        from qkgeom.probe import GeometryAccumulator, QKSnapshot, check_activations, weight_geometry
+        from qkgeom.probe import activation_geometry
 
         got = self.capture(model, batch)
-        qs, ks = [t.detach() for t in got["q"]], [t.detach() for t in got["k"]]
-        pats = [None if p is None else p.detach() for p in got.get("pattern") or [None] * len(qs)]
-        check_activations(qs, ks, pats)
-        acc = GeometryAccumulator(logit_max_seqs=self.logit_max_seqs or None)
-        acc.update(QKSnapshot(q=qs, k=ks, pattern=pats, causal=got.get("causal", True)))
-        rows, spectra = acc.rows(), acc.spectra()
-        if got.get("w_q") is not None and got.get("w_k") is not None:
-            w_rows, w_spectra = weight_geometry([w.detach() for w in got["w_q"]], [w.detach() for w in got["w_k"]])
-            rows, spectra = rows + w_rows, spectra | w_spectra
-        self.info["config"]["model"]["n_layers"] = len(qs)
-        return rows, spectra
+        return activation_geometry(
+            got["q"], got["k"], got.get("pattern"), got.get("causal", True), got.get("w_q"), got.get("w_k"),
+            self.logit_max_seqs or None,
+        )  # fmt: skip
 
     def log_metrics(self, step: int, loss: float, split: str = "train", tokens_seen: int | None = None) -> None:
         """A loss for the report's curves (metrics.jsonl: step, tokens_seen, split, loss)."""
@@ -295,10 +290,8 @@ class Probe:
         steps = steps if steps is not None else self.steps if self.steps is not None else self.last_step
         info = read_json(self.rd.config)
         info["config"]["train"]["steps"] = int(steps)
-        if info["config"]["model"]["n_layers"] is None:  # a capture function's model
-            info["config"]["model"]["n_layers"] = self.info["config"]["model"]["n_layers"] or int(
-                self.rd.read_geometry()["layer"].max() + 1
-            )
+        if info["config"]["model"]["n_layers"] is None:  # a capture function's model: from what it handed over
+            info["config"]["model"]["n_layers"] = int(self.rd.read_geometry()["layer"].max() + 1)
         write_json(self.rd.config, info)
         self.rd.consolidate_probes()
         if final_valid_loss is None:
