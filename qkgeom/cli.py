@@ -53,7 +53,7 @@ def describe_study(path: Path) -> str:
         f"{k.split('.')[-1]}={shown(v)}" for k, v in fixed.items() if not k.startswith("intervention.")
     )
     kept = fixed.get("train.checkpoint_steps", [])
-    family = len(kept) >= 5 or fixed.get("train.keep_checkpoints") == "log"
+    family = len(kept) >= C.MIN_FAMILY_REVISIONS or fixed.get("train.keep_checkpoints") == "log"
     return (
         f"{n_runs} runs on the {spec['sweep'].get('base', '?')} preset: {' x '.join(parts)}"
         + (f"; {settings}" if settings else "")

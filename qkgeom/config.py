@@ -390,6 +390,7 @@ def validate(cfg: RunConfig) -> None:
 
 KEEP_CHECKPOINTS = ("none", "log")
 N_LOG_CHECKPOINTS = 16
+MIN_FAMILY_REVISIONS = 5  # runs keeping fewer checkpoints are not read as checkpoint families (family_study)
 
 
 def kept_steps(t: TrainConfig) -> list[int]:

@@ -15,11 +15,13 @@ revision already analysed (done.json) is skipped.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
+from qkgeom import config as C
 from qkgeom.analysis import CLAIM_COLUMNS, claim_row, seed_row
 from qkgeom.family import family_trends, load_family, run_pretrained
 from qkgeom.pretrained_config import PretrainedConfig
@@ -27,7 +29,6 @@ from qkgeom.results import RunDir, atomic_write_bytes, read_json
 from qkgeom.runs import run_folders
 
 FAMILY_DIR = "family"
-MIN_REVISIONS = 5  # fewer kept checkpoints than this: not a family study
 EARLY_MAX_STEP = 1000  # the early window's end (configs/study-family-cpu.toml, pre-registered)
 CONTRAST_TREND = "Spearman(PR_Q - PR_K, log step)"
 HEADS_LINK = "Spearman(interaction rank, attention entropy) across heads"
@@ -42,11 +43,11 @@ PER_LAYER = "per layer: " + CONTRAST_TREND
 
 
 def family_runs(path: str | Path) -> list[Path]:
-    """The finished runs under `path` that kept at least MIN_REVISIONS checkpoints; [] if any
+    """The finished runs under `path` that kept at least C.MIN_FAMILY_REVISIONS checkpoints; [] if any
     finished run kept fewer (then the study is not a family study)."""
     runs = [d for d in run_folders(path) if RunDir(d).is_done()]
     kept = [len(read_json(RunDir(d).config).get("kept_checkpoints", [])) for d in runs]
-    return runs if runs and min(kept) >= MIN_REVISIONS else []
+    return runs if runs and min(kept) >= C.MIN_FAMILY_REVISIONS else []
 
 
 def is_family_study(path: str | Path) -> bool:
@@ -79,22 +80,26 @@ def early_max_step_of(analysis: Path) -> int:
     return int(read_json(RunDir(first).config)["pretrained_config"]["early_max_step"])
 
 
+def _families(path: str | Path) -> Iterator[tuple[Path, int, pd.DataFrame, pd.DataFrame, Path]]:
+    """(run, seed, geometry, revisions, analysis folder) of every run analysed as a family so far."""
+    for run in family_runs(path):
+        analysis = Path(path) / FAMILY_DIR / run.name / "analysis"
+        if analysis.is_dir():
+            geometry, revs = load_family(analysis)
+            yield run, read_json(RunDir(run).config)["config"]["train"]["seed"], geometry, revs, analysis
+
+
 def seed_statistics(path: str | Path) -> pd.DataFrame:
     """One row per (run, statistic, window, layer): rho of each run's family trends (in the early
     window it was analysed with), with its seed and, for per-revision rows, the revision's step."""
     frames = []
-    for run in family_runs(path):
-        analysis = Path(path) / FAMILY_DIR / run.name / "analysis"
-        if not analysis.is_dir():
-            continue
-        geometry, revs = load_family(analysis)
+    for run, seed, geometry, revs, analysis in _families(path):
         early_max_step = early_max_step_of(analysis)
         t = family_trends(geometry, early_max_step)
         t["early_max_step"] = early_max_step
         steps = dict(zip(revs["revision"], revs["step"], strict=True))
         t["step"] = t["window"].map(steps)  # per-revision rows; NaN for the early / late trend rows
-        t["run_id"] = run.name
-        t["seed"] = read_json(RunDir(run).config)["config"]["train"]["seed"]
+        t["run_id"], t["seed"] = run.name, seed
         frames.append(t)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
@@ -156,11 +161,5 @@ def write_family_tables(path: str | Path) -> pd.DataFrame:
 
 def family_geometry(path: str | Path) -> pd.DataFrame:
     """Every family's whole-layer and per-head rows, with run_id and seed (for the report's figures)."""
-    frames = []
-    for run in family_runs(path):
-        analysis = Path(path) / FAMILY_DIR / run.name / "analysis"
-        if analysis.is_dir():
-            g, _ = load_family(analysis)
-            g["run_id"], g["seed"] = run.name, read_json(RunDir(run).config)["config"]["train"]["seed"]
-            frames.append(g)
+    frames = [g.assign(run_id=run.name, seed=seed) for run, seed, g, _, _ in _families(path)]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
