@@ -165,8 +165,7 @@ def _train(cfg: C.RunConfig, rd: RunDir, resume: bool, progress: bool, tb: Tenso
     _prepare(cfg, rd, resume)
     if rd.is_done():
         return rd
-    run = _Run(cfg, rd, resumed=resume and rd.last_checkpoint.exists())  # else: afresh in the same folder
-    run.tb = tb
+    run = _Run(cfg, rd, resumed=resume and rd.last_checkpoint.exists(), tb=tb)  # else: afresh in the same folder
     t = cfg.train
     bar = tqdm(
         total=t.steps, initial=run.start, disable=not progress, desc=rd.path.name, unit="step", dynamic_ncols=True
@@ -229,7 +228,7 @@ class _Run:
     """The state of one training run and its steps: set-up (fresh or restored from last.pt),
     probe, evaluate, checkpoint, one optimiser step, finish."""
 
-    def __init__(self, cfg: C.RunConfig, rd: RunDir, resumed: bool) -> None:
+    def __init__(self, cfg: C.RunConfig, rd: RunDir, resumed: bool, tb: TensorBoardLog | None = None) -> None:
         self.cfg, self.rd, self.resumed = cfg, rd, resumed
         t, m = cfg.train, cfg.model
         if t.threads:
@@ -262,7 +261,7 @@ class _Run:
         self.loss_ceiling = DIVERGED_LOSS_FACTOR * math.log(corpus.vocab.size)
         self.start, self.elapsed0 = 0, 0.0
         self.probe_seconds = 0.0  # this process's time in probes (reported in done.json)
-        self.tb: TensorBoardLog | None = None  # layer-mean scalars per probe, if asked for
+        self.tb = tb  # layer-mean scalars per probe, if asked for
         if resumed:
             self._restore()
         else:
