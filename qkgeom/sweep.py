@@ -3,6 +3,8 @@
 A sweep file is TOML with three tables::
 
     [sweep]   name = "study-smoke"; base = "smoke"   (a run preset or TOML file)
+              order = "cost" (default: longest runs first) | "seed" (whole seeds first, longest first
+              within a seed, so that a study run in several sittings completes whole seeds)
     [set]     fixed overrides, e.g. "train.steps" = 100
     [grid]    "model.n_layers" = [4, 6, 8]; "train.seed,train.data_seed" = [[0, 0], [1, 1]]  (zipped keys)
 
@@ -42,6 +44,10 @@ class SweepSpec:
     base: str
     fixed: dict[str, Any] = field(default_factory=dict)
     grid: dict[str, list] = field(default_factory=dict)
+    order: str = "cost"
+
+
+SWEEP_ORDERS = ("cost", "seed")
 
 
 @dataclass(frozen=True)
@@ -76,9 +82,11 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
     head = data["sweep"]
     if "kind" in head:  # earlier sweep files: the analysis now reads each run's own config instead
         raise SweepError(f"[sweep] kind in {p} is no longer used (analyze reads each run's config); delete the line")
-    bad = sorted(set(head) - {"name", "base"})
+    bad = sorted(set(head) - {"name", "base", "order"})
     if bad:
         raise SweepError(f"unknown key {bad[0]!r} in [sweep] of {p}")
+    if head.get("order", "cost") not in SWEEP_ORDERS:
+        raise SweepError(f"[sweep] order in {p} is {head['order']!r}; allowed: {', '.join(SWEEP_ORDERS)}")
     fixed = dict(data.get("set", {}))
     grid_keys = {k.strip() for key in data.get("grid", {}) for k in key.split(",")}
     for item in extra or []:
@@ -94,6 +102,7 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
         base=head.get("base", "tiny"),
         fixed=fixed,
         grid=dict(data.get("grid", {})),
+        order=head.get("order", "cost"),
     )
     return spec
 
@@ -172,6 +181,12 @@ def run_cost(cfg: C.RunConfig) -> float:
     """Relative cost of a run (steps x layers x tokens per step): the pool starts the longest first
     and the progress bar's ETA weighs finished runs by it."""
     return float(cfg.train.steps * cfg.model.n_layers * cfg.train.batch_size * cfg.model.n_ctx)
+
+
+def _run_order(order: str, r: RunSpec) -> tuple:
+    """Sort key: longest first (a depth-8 run never starts last), after the seed if order = "seed"."""
+    cost = -run_cost(r.config)
+    return (r.config.train.seed, cost) if order == "seed" else (cost,)
 
 
 def default_workers(n_runs: int) -> int:
@@ -293,7 +308,7 @@ def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_r
     for r in runs:
         (result.skipped if RunDir(out / r.run_id).is_done() else todo).append(r)
     result.skipped = [r.run_id for r in result.skipped]
-    todo.sort(key=lambda r: -run_cost(r.config))  # longest first: a depth-8 run never starts last
+    todo.sort(key=lambda r: _run_order(spec.order, r))
     workers = workers or default_workers(len(todo))
     threads = max(1, (os.cpu_count() or 1) // workers)
     tic = time.perf_counter()
