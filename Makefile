@@ -9,7 +9,11 @@ export QKGEOM_WIKITEXT_DIR ?= $(abspath ../shared/data/wikitext)
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0   # the CPU build; an unpinned torch pulls CUDA
+	# torch's CPU build: from a configured index or local wheel if one has it, else from PyTorch's CPU
+	# index (PyPI's plain 2.13.0 is a CUDA build of several GB); macOS has only the plain build
+	$(PY) -m pip install -q 'torch==2.13.0+cpu' 2>/dev/null \
+	  || $(PY) -m pip install -q 'torch==2.13.0+cpu' --index-url https://download.pytorch.org/whl/cpu \
+	  || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 

@@ -199,6 +199,11 @@ def check_model_type(name: str, revision: str | None = None) -> None:
             mt = json.loads((folder / "config.json").read_text()).get("model_type")
         except (OSError, ValueError):
             return  # transformers will report the broken file with its own message
+        if mt is None and (folder / "vocab.json").is_file() and (folder / "checkpoints").is_dir():
+            raise PretrainedError(
+                f"{folder} is a `qkgeom train` run, not a Hugging Face model: export it first "
+                f"(qkgeom export {folder} --out FOLDER), then analyse FOLDER --all-revisions"
+            )
         if mt not in ARCHS:
             raise PretrainedError(
                 f"unsupported model type {mt!r}; supported: {', '.join(sorted(ARCHS))}; {ADD_ARCH_HINT}"

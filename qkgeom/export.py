@@ -4,11 +4,46 @@ checkpoint family through the same Hugging Face path as a public suite."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import torch
 
-from qkgeom.results import DamagedRunError, RunDir, read_json, write_json
+from qkgeom.results import EXPORT_INFO, EXPORT_VOCAB, DamagedRunError, RunDir, read_json, write_json
+
+
+def _check_same_run(rd: RunDir, out: Path) -> None:
+    """One export folder holds one run's checkpoints: another run's would silently join its family."""
+    for info_file in sorted(out.glob(f"step_*/{EXPORT_INFO}")):
+        other = read_json(info_file).get("run")
+        if other is not None and Path(other) != rd.path.resolve():
+            raise DamagedRunError(
+                f"{out} holds checkpoints exported from another run ({other}); export {rd.path} into another folder"
+            )
+
+
+def _write_folder(target: Path, hf, vocab: str, info: dict) -> None:
+    """One revision, whole or not at all: written into a temporary sibling, renamed into place last
+    (a killed export leaves no half folder, and a rerun skips the revisions already there)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
+    try:
+        try:
+            hf.save_pretrained(tmp)
+        except OSError:
+            raise
+        except Exception as e:  # safetensors reports a full disk as its own error type, not OSError
+            raise OSError(f"cannot write {target}: {str(e).splitlines()[0]}") from None
+        (tmp / EXPORT_VOCAB).write_text(vocab)
+        write_json(tmp / EXPORT_INFO, info)  # last: its presence marks a whole revision
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
@@ -20,15 +55,24 @@ def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     rd = RunDir(run_dir)
+    if not rd.config.is_file():
+        raise DamagedRunError(f"{rd.path} is not a qkgeom run folder (no config.json)")
     cfg = read_json(rd.config)
+    if "model" not in cfg.get("config", {}) or "vocab_size" not in cfg or not rd.vocab.is_file():
+        raise DamagedRunError(f"{rd.path} is not a finished `qkgeom train` run (its config.json or vocab.json)")
     m = cfg["config"]["model"]
     vocab = rd.vocab.read_text()
+    out = Path(out)
+    _check_same_run(rd, out)
     written: list[Path] = []
     for ckpt in sorted(rd.checkpoints.glob("*.pt")):
         state = rd.load_checkpoint(ckpt.name)
         step, sd = int(state["step"]), state["model"]
-        target = Path(out) / f"step_{step}"
+        target = out / f"step_{step}"
         if target in written:  # last.pt is also a kept step
+            continue
+        if (target / EXPORT_INFO).is_file():  # exported whole by an earlier, interrupted export
+            written.append(target)
             continue
         hf_cfg = GPT2Config(
             vocab_size=cfg["vocab_size"],
@@ -43,6 +87,8 @@ def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
             attn_pdrop=0.0,
             layer_norm_epsilon=1e-5,
             tie_word_embeddings=True,
+            bos_token_id=None,  # a character vocabulary has no start/end token (GPT-2's 50256 is out of range)
+            eos_token_id=None,
         )
         hf = GPT2LMHeadModel(hf_cfg)
         new = {
@@ -62,12 +108,8 @@ def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
                 new[h + f"{hl}.weight"], new[h + f"{hl}.bias"] = sd[b + f"{ln}.weight"], sd[b + f"{ln}.bias"]
         missing = {k: torch.zeros_like(v) for k, v in hf.state_dict().items() if k not in new and k.endswith("bias")}
         hf.load_state_dict({**new, **missing}, strict=False)
-        hf.save_pretrained(target)
-        (target / "qkgeom_vocab.json").write_text(vocab)
-        write_json(
-            target / "qkgeom_export.json",
-            {"run": str(rd.path), "step": step, "tokens_per_step": cfg["tokens_per_step"]},
-        )
+        info = {"run": str(rd.path.resolve()), "run_id": rd.path.name, "step": step}
+        _write_folder(target, hf, vocab, {**info, "tokens_per_step": cfg["tokens_per_step"]})
         written.append(target)
     if not written:
         raise DamagedRunError(

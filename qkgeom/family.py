@@ -22,7 +22,7 @@ import torch
 from qkgeom import archs, stats
 from qkgeom import config as C
 from qkgeom.pretrained_config import PretrainedConfig
-from qkgeom.results import RunDir, provenance, read_json, write_json
+from qkgeom.results import EXPORT_INFO, EXPORT_VOCAB, RunDir, provenance, read_json, write_json
 
 PYTHIA_TOKENS_PER_STEP = 2_097_152  # 1024 sequences x 2048 tokens
 
@@ -46,8 +46,8 @@ def step_of(revision: str) -> int | None:
 
 def tokens_per_step(model_path: str) -> int | None:
     p = Path(model_path)
-    if (p / "qkgeom_export.json").is_file():
-        return int(read_json(p / "qkgeom_export.json")["tokens_per_step"])
+    if (p / EXPORT_INFO).is_file():
+        return int(read_json(p / EXPORT_INFO)["tokens_per_step"])
     return PYTHIA_TOKENS_PER_STEP if "pythia" in model_path.lower() else None
 
 
@@ -186,7 +186,7 @@ def run_pretrained(
     cache: dict[str, tuple[np.ndarray, tuple[int, ...]]] = {}
 
     def tokens_fn(path: str) -> tuple[np.ndarray, tuple[int, ...]]:
-        vocab = Path(path) / "qkgeom_vocab.json"
+        vocab = Path(path) / EXPORT_VOCAB
         key = str(vocab) if vocab.is_file() else (pc.tokenizer or pc.model)
         if key not in cache:
             cache[key] = (
@@ -196,7 +196,34 @@ def run_pretrained(
             )
         return cache[key]
 
+    check_same_settings(pc, Path(out))
     return analyse_family(pc, family_revisions(pc), Path(out), tokens_fn, executor, address, progress, label)
+
+
+# the settings that change a revision's numbers: revisions measured under others cannot share a family folder
+MEASUREMENT_SETTINGS = (
+    "model", "text", "tokenizer", "n_tokens", "seq_len", "batch_size", "strip_special_tokens", "logit_max_seqs",
+    "gram_dtype",
+)  # fmt: skip
+
+
+def check_same_settings(pc: PretrainedConfig, out: Path) -> None:
+    """Refuse to add revisions to `out` if the revisions already there were measured under other
+    settings (another model, --n-tokens, ...): one family folder holds one measurement."""
+    if not out.is_dir():
+        return
+    now = C.to_dict(pc)
+    for d in sorted(out.iterdir()):
+        rd = RunDir(d)
+        if not (rd.is_done() and rd.config.is_file()):
+            continue
+        was = read_json(rd.config).get("pretrained_config", {})
+        for key in MEASUREMENT_SETTINGS:
+            if key in was and was[key] != now[key]:
+                raise archs.PretrainedError(
+                    f"{out} already holds revisions measured with {key} = {was[key]!r} ({d.name}); this run has "
+                    f"{now[key]!r}: choose another --out, or delete that folder"
+                )
 
 
 # one row per revision in revisions.csv and the report (logit_seqs: the logit-spectrum sample)

@@ -11,6 +11,7 @@ forward hooks on the projections. Weight-side spectra use per-architecture W_Q^h
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -22,7 +23,7 @@ import torch
 from torch import nn
 
 from qkgeom.archs import ADD_ARCH_HINT, ARCHS, PretrainedError, arch_of, check_model_type
-from qkgeom.probe import GeometryAccumulator, weight_geometry
+from qkgeom.probe import GeometryAccumulator, nonfinite_weights, weight_geometry
 
 Tensor = torch.Tensor
 ATTN_IMPL = "qkgeom"
@@ -165,9 +166,11 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
 
     _register()
     name, revision = resolve_revision(name, revision)
+    if Path(name).is_dir() and not (Path(name) / "config.json").is_file():
+        raise PretrainedError(f"{name} has no config.json: not a Hugging Face model folder")
     try:
         config = AutoConfig.from_pretrained(name, revision=revision)
-    except OSError as e:
+    except Exception as e:  # noqa: BLE001 - parsing the user's config.json: its validators raise several types
         raise _load_error(name, revision, e) from None
     if config.model_type not in ARCHS:
         raise PretrainedError(
@@ -179,11 +182,45 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
             f"{name} needs about {need / 2**30:.1f} GiB (float32 weights + 30%), only {have / 2**30:.1f} GiB available"
         )
     cls = AutoModel if config.model_type == "bert" else AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its load report would repeat, unasked, what check_loading_info refuses
     try:
-        model = cls.from_pretrained(name, revision=revision, attn_implementation=ATTN_IMPL, dtype=torch.float32)
-    except OSError as e:
+        model, info = cls.from_pretrained(
+            name, revision=revision, attn_implementation=ATTN_IMPL, dtype=torch.float32, output_loading_info=True
+        )
+    except (OSError, ValueError) as e:
         raise _load_error(name, revision, e) from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    check_loading_info(name, info)
     return model.eval()
+
+
+# Weights a checkpoint may lack or carry beyond the model we build without changing what we measure:
+# task heads (we read the body), tied output embeddings, and buffers older checkpoints saved.
+_HARMLESS = re.compile(
+    r"^(lm_head|cls\.|pooler|.*\.pooler\.|score|classifier|qa_outputs)|(inv_freq|masked_bias|attn\.bias)$"
+)
+
+
+def check_loading_info(name: str, info: dict) -> None:
+    """Refuse weights that do not match the config: a missing tensor would be measured at its random
+    initialisation, an unexpected one (a layer the config does not have) silently dropped."""
+    missing = sorted(k for k in info.get("missing_keys", ()) if not _HARMLESS.search(k))
+    unexpected = sorted(k for k in info.get("unexpected_keys", ()) if not _HARMLESS.search(k))
+    mismatched = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys", ()))
+    if missing or unexpected or mismatched:
+        parts = [
+            f"{len(keys)} {what} ({', '.join(keys[:3])}{', ...' if len(keys) > 3 else ''})"
+            for what, keys in (("missing", missing), ("unexpected", unexpected), ("of another shape", mismatched))
+            if keys
+        ]
+        raise PretrainedError(
+            f"the weights of {name} do not match its config.json: {'; '.join(parts)} tensors; "
+            "measuring it would read randomly initialised weights (fix config.json or the weight files)"
+        )
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -237,6 +274,9 @@ def analyse_model(
     from tqdm.auto import tqdm
 
     arch = arch_of(model)
+    bad = nonfinite_weights(model)
+    if bad is not None:
+        raise PretrainedError(f"the model's weights are not finite ({bad}): there is no geometry to measure")
     if model.config._attn_implementation != ATTN_IMPL:
         _register()
         model.set_attn_implementation(ATTN_IMPL)
@@ -283,6 +323,11 @@ def text_tokens(
             f"no tokenizer for {tokenizer or name!r} ({str(e).splitlines()[0]}); pass --tokenizer NAME_OR_FOLDER"
         ) from None
     ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    if len(ids) == 0 and text.strip():  # e.g. a model folder without tokenizer files loads an empty tokenizer
+        raise PretrainedError(
+            f"the tokenizer of {tokenizer or name!r} turns the text into 0 tokens (a folder without tokenizer "
+            "files?); pass --tokenizer NAME_OR_FOLDER"
+        )
     if not special_tokens:
         return ids, ()
     plain, full = tok("a", add_special_tokens=False)["input_ids"], tok("a", add_special_tokens=True)["input_ids"]

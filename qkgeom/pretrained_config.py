@@ -58,7 +58,9 @@ def load_pretrained(path: str | Path | None = None, overrides: list[str] | None 
             data = tomllib.loads(p.read_text()).get("pretrained", {})
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
-    pc = _build(PretrainedConfig, apply_overrides(data, overrides or []), "pretrained.")
+    # keys are written bare (n_tokens=...) or as in the file's table and the messages (pretrained.n_tokens=...)
+    overrides = [o.removeprefix("pretrained.") for o in overrides or []]
+    pc = _build(PretrainedConfig, apply_overrides(data, overrides), "pretrained.")
 
     def need(ok: bool, msg: str) -> None:
         if not ok:

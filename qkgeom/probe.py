@@ -123,10 +123,11 @@ class GeometryAccumulator:
             mask = torch.ones(B, T, dtype=torch.bool)
         support = support.to(pat.device)
         h, hn = G.attention_entropy(pat, support[:, None, :].expand(B, H, T))  # (B, H, T)
-        valid = (mask.to(pat.device) & (support >= 2))[:, None, :].expand(B, H, T)
+        # a non-finite pattern row (non-finite weights) has no entropy: it is left out, not binned
+        valid = (mask.to(pat.device) & (support >= 2))[:, None, :].expand(B, H, T) & torch.isfinite(hn)
         hv = torch.where(valid, h, 0.0).sum((0, 2)).cpu()
         hnv = torch.where(valid, hn, 0.0).sum((0, 2)).cpu()
-        n = int(valid[:, 0].sum())
+        n = int(valid[:, 0].sum())  # tokens of head 0 (the per-head sums share it unless rows were non-finite)
         bins = (hn.clamp(0, 1) * (ENTROPY_BINS - 1)).round().long()
         hist = torch.zeros(H, ENTROPY_BINS, dtype=torch.float64)
         for hh in range(H):
@@ -257,6 +258,16 @@ def weight_geometry(
         "W_QK_singular_values": np.stack(sqk),
     }
     return rows, spectra
+
+
+def nonfinite_weights(model: torch.nn.Module) -> str | None:
+    """The first parameter of `model` holding NaN or inf, described ("name: 1 NaN, 0 inf of 1024"), or None."""
+    for name, p in model.named_parameters():
+        finite = torch.isfinite(p)
+        if not finite.all():
+            n_nan = int(torch.isnan(p).sum())
+            return f"{name}: {n_nan} NaN, {int((~finite).sum()) - n_nan} inf of {p.numel()}"
+    return None
 
 
 class MeasureError(QKGeomError, ValueError):

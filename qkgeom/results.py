@@ -54,6 +54,9 @@ class FolderLockedError(QKGeomError, RuntimeError):
 
 LOCK_FILE = ".lock"
 SWEEP_MANIFEST = "sweep.json"
+# an exported revision (qkgeom.export): its vocabulary, and its provenance (written last)
+EXPORT_VOCAB = "qkgeom_vocab.json"
+EXPORT_INFO = "qkgeom_export.json"
 
 
 @contextlib.contextmanager
@@ -107,7 +110,13 @@ def write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    return json.loads(Path(path).read_text())
+    """A JSON file qkgeom wrote; a garbled one is damage (DamagedRunError names it), not a bug."""
+    try:
+        return json.loads(Path(path).read_text())
+    except UnicodeDecodeError as e:
+        raise DamagedRunError(f"{path} is not UTF-8 text ({e.reason}); fix or delete it") from None
+    except json.JSONDecodeError as e:
+        raise DamagedRunError(f"{path} is not valid JSON ({e}); fix or delete it") from None
 
 
 def is_pretrained_output(path: str | Path) -> bool:

@@ -18,7 +18,9 @@ qkgeom.integrations are a few lines over this class.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from torch import nn
 
 from qkgeom import archs
 from qkgeom.errors import QKGeomError
+from qkgeom.probe import nonfinite_weights
 from qkgeom.results import RunDir, folder_lock, provenance, read_json, write_json
 from qkgeom.scalars import TensorBoardLog
 
@@ -197,11 +200,22 @@ class Probe:
             },
             "model_config": _model_config(inner),  # a Hugging Face model's own config, as it would save it
             "probe_tokens": int(batch.numel()),
+            "probe_batch_sha256": hashlib.sha256(self.batch.cpu().numpy().tobytes()).hexdigest(),
             "provenance": provenance(),
         }
-        if not self.resuming:
+        if self.resuming:
+            try:
+                self._check_same_run(read_json(self.rd.config))
+            except BaseException:
+                self.close()
+                raise
+            # killed while consolidating: geometry.parquet may hold fewer probes than the parts; split it back
+            self.rd.parts_from_files()
+        else:
             write_json(self.rd.config, self.info)
+        self._metrics_resumed = not self.resuming  # the first metrics row after a resume drops the rows it redoes
         self.t0, self.probe_seconds = time.perf_counter(), 0.0
+        self.skipped = ""  # why the last probe due was not taken, if it was not
 
     def _check_folder(self, resume: bool) -> None:
         rd = self.rd
@@ -215,6 +229,23 @@ class Probe:
         if rd.config.exists() and read_json(rd.config).get("source") != "qkgeom.Probe":
             raise ProbeError(f"{rd.path} is not a qkgeom.Probe folder; choose another out folder")
 
+    def _check_same_run(self, old: dict) -> None:
+        """A resume continues the same model on the same probe batch, or its folder would mix two runs."""
+        now, was = self.info["config"], old.get("config", {})
+        keys = [("model", k) for k in ("class", "model_type", "n_layers", "parameters")]
+        for section, key in keys + [("probe", k) for k in ("n_seqs", "seq_len", "every")]:
+            a, b = was.get(section, {}).get(key), now[section][key]
+            if a is not None and b is not None and a != b:
+                raise ProbeError(
+                    f"{self.rd.path} holds a run with {section}.{key} = {a!r}, not {b!r}: a resume must continue "
+                    "the same model and probe batch; choose another out folder"
+                )
+        if old.get("probe_batch_sha256", self.info["probe_batch_sha256"]) != self.info["probe_batch_sha256"]:
+            raise ProbeError(
+                f"{self.rd.path} was probed on another batch (sha256 differs): a resume must use the same probe "
+                "batch; choose another out folder"
+            )
+
     def due(self, step: int) -> bool:
         """Whether `step` is on the probe schedule."""
         return probe_schedule(step, self.every, self.log_early)
@@ -227,6 +258,13 @@ class Probe:
         tic = time.perf_counter()
         if self.resuming and self.last_step < 0:
             self.rd.drop_probes_after(step - 1)  # what the interrupted run probed from here on is redone
+        bad = nonfinite_weights(self.model)
+        if bad is not None:  # a diverged model has no geometry; a monitor does not stop the training it watches
+            why = f"step {step}: not probed, the model's weights are not finite ({bad})"
+            self.rd.append_warning({"step": step, "warning": why})
+            self.skipped = why
+            warnings.warn(f"qkgeom.Probe: {why}", RuntimeWarning, stacklevel=2)
+            return False
         rows, spectra = self.measure()
         rows = [{"step": step, "tokens_seen": -1 if tokens_seen is None else int(tokens_seen), **r} for r in rows]
         self.rd.append_probe(step, rows, spectra)
@@ -272,6 +310,9 @@ class Probe:
 
     def log_metrics(self, step: int, loss: float, split: str = "train", tokens_seen: int | None = None) -> None:
         """A loss for the report's curves (metrics.jsonl: step, tokens_seen, split, loss)."""
+        if not self._metrics_resumed:  # what the interrupted run logged from this step on is logged again
+            self.rd.truncate_metrics(step - 1)
+            self._metrics_resumed = True
         row = {"step": step, "tokens_seen": -1 if tokens_seen is None else tokens_seen, "split": split}
         self.rd.append_metrics({**row, "loss": float(loss)})
 
@@ -286,7 +327,8 @@ class Probe:
             self(steps, tokens_seen, force=True)
         if self.last_step < 0 and not self.rd.geometry_parts.is_dir():
             self.close()
-            raise ProbeError(f"no probe was taken, so {self.rd.path} would hold no geometry; call the probe at step 0")
+            why = self.skipped or "call the probe at step 0"
+            raise ProbeError(f"no probe was taken, so {self.rd.path} would hold no geometry ({why})")
         steps = steps if steps is not None else self.steps if self.steps is not None else self.last_step
         info = read_json(self.rd.config)
         info["config"]["train"]["steps"] = int(steps)

@@ -143,6 +143,14 @@ def test_cli_export_then_pretrained_family(exported, tmp_path):
     assert r.returncode == 0, r.stderr
     revs = (tmp_path / "fam" / "revisions.csv").read_text()
     assert "step_0" in revs and "step_12" in revs and (tmp_path / "fam" / "report" / "family_contrast.png").is_file()
+    assert "token id" not in r.stderr.lower() and "bos_token" not in r.stderr.lower(), r.stderr  # no OOV ids
+    r = subprocess.run(  # the same folder under another --n-tokens would mix two measurements in one family
+        run + ["pretrained", str(tmp_path / "hf"), "--all-revisions", "--n-tokens", "1024", "--batch-size", "4",
+               "--out", str(tmp_path / "fam"), "--no-progress"],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "already holds revisions measured with n_tokens = 2048" in r.stderr
     r = subprocess.run(
         run + ["pretrained", str(tmp_path / "hf"), "--revision", "step_3", "--out", str(tmp_path / "x")],
         capture_output=True,
@@ -211,3 +219,84 @@ def test_export_of_a_run_without_checkpoints_is_refused(tmp_path, capsys):
     (tmp_path / "run" / "vocab.json").write_text('{"kind": "char", "chars": "ab"}')
     assert main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "hf")]) == 2
     assert "has no checkpoints to export" in capsys.readouterr().err
+
+
+def test_export_is_whole_per_revision_resumable_and_one_run_per_folder(exported, tmp_path, monkeypatch):
+    from transformers import GPT2LMHeadModel
+
+    from qkgeom.results import DamagedRunError
+
+    _, rd, _, _ = exported
+    save, calls = GPT2LMHeadModel.save_pretrained, []
+
+    def dies_on_the_second(self, folder, *a, **kw):
+        calls.append(folder)
+        save(self, folder, *a, **kw)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")  # after the weights, before the folder is complete
+
+    monkeypatch.setattr(GPT2LMHeadModel, "save_pretrained", dies_on_the_second)
+    with pytest.raises(OSError, match="No space left"):
+        export_run(rd.path, tmp_path / "hf")
+    monkeypatch.undo()
+    left = sorted((tmp_path / "hf").iterdir())  # the first revision whole; no half folder, no temp left
+    assert len(left) == 1 and left[0].name.startswith("step_") and (left[0] / "qkgeom_export.json").is_file()
+    assert sorted(f.name for f in export_run(rd.path, tmp_path / "hf")) == ["step_0", "step_12", "step_6"]
+    cfg = json.loads((tmp_path / "hf" / "step_6" / "config.json").read_text())
+    assert cfg["bos_token_id"] is None and cfg["eos_token_id"] is None  # GPT-2's 50256 is outside our vocabulary
+
+    other = train(tiny_config(train={"steps": 4, "seed": 1}), tmp_path / "other", progress=False)
+    with pytest.raises(DamagedRunError, match="holds checkpoints exported from another run"):
+        export_run(other.path, tmp_path / "hf")
+
+
+def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
+    """Measured as if right before: n_layer 3 against 2-layer weights reported a layer that does not
+    exist, and a missing tensor was measured at its random initialisation."""
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=50, n_positions=32)).save_pretrained(
+        tmp_path / "g"
+    )
+    config = json.loads((tmp_path / "g" / "config.json").read_text())
+    for n_layer, says in ((3, "11 missing"), (1, "11 unexpected")):
+        (tmp_path / "g" / "config.json").write_text(json.dumps({**config, "n_layer": n_layer}))
+        with pytest.raises(P.PretrainedError, match=f"do not match its config.json: {says}"):
+            P.load_model(str(tmp_path / "g"))
+    (tmp_path / "g" / "config.json").write_text(json.dumps(config))
+    weights = load_file(tmp_path / "g" / "model.safetensors")
+    del weights["transformer.h.1.attn.c_attn.weight"]
+    save_file(weights, tmp_path / "g" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(P.PretrainedError, match=r"1 missing \(transformer.h.1.attn.c_attn.weight\)"):
+        P.load_model(str(tmp_path / "g"))
+
+
+def test_bad_pretrained_folders_are_one_line_errors(exported, tmp_path):
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    _, _, hf_root, _ = exported
+    (tmp_path / "empty").mkdir()
+    nan = tmp_path / "nan"
+    model = P.load_model(str(hf_root / "step_6"))
+    with torch.no_grad():
+        model.transformer.h[0].attn.c_attn.weight[1, 2] = float("nan")  # crashed with an IndexError
+    model.save_pretrained(nan)
+    (nan / "qkgeom_vocab.json").write_text((hf_root / "step_6" / "qkgeom_vocab.json").read_text())
+    notok = tmp_path / "notok"  # a model folder with no tokenizer files and no qkgeom vocabulary
+    model.save_pretrained(notok)
+    cases = [
+        (tmp_path / "empty", "has no config.json: not a Hugging Face model folder"),
+        (nan, "weights are not finite (transformer.h.0.attn.c_attn.weight: 1 NaN, 0 inf of"),
+        (notok, "turns the text into 0 tokens (a folder without tokenizer files?); pass --tokenizer"),
+    ]
+    for folder, says in cases:
+        r = subprocess.run(
+            [sys.executable, "-m", "qkgeom.cli", "pretrained", str(folder), "--n-tokens", "512", "--batch-size", "2",
+             "--out", str(tmp_path / "out" / folder.name), "--no-progress"],
+            capture_output=True, text=True, cwd=REPO,
+        )  # fmt: skip
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, (folder.name, r.stderr)

@@ -464,6 +464,12 @@ ZOO = [
     (["train", "tiny", "--set", "name=../../x"], "it names a folder"),
     (["train", "tiny", "--set", "model={{n_layers = 2}}"], "names a table"),
     (["train", "tiny", "--set", "data.source={latin1}"], "train.txt is not UTF-8 text"),
+    # these printed a traceback and "this is a bug in qkgeom" (exit 1)
+    (["pretrained", "{empty}"], "has no config.json: not a Hugging Face model folder"),
+    (["pretrained", "{done}"], "is a `qkgeom train` run, not a Hugging Face model: export it first"),
+    (["pretrained", "{badcfg}"], "cannot load"),
+    (["export", "{garbled}", "--out", "{tmp}/hf"], "config.json is not valid JSON"),
+    (["pretrained", "{empty}", "--set", "pretrained.n_tokens=abc"], "'pretrained.n_tokens' expects an integer"),
 ]
 
 
@@ -475,7 +481,13 @@ def test_bad_input_zoo(reference, tmp_path, args, message):
     latin1.mkdir()
     for split in ("train", "valid", "test"):
         (latin1 / f"{split}.txt").write_bytes("caf\u00e9 na\u00efve ".encode("latin-1") * 200)
+    badcfg, garbled = tmp_path / "badcfg", tmp_path / "garbled"  # a config.json transformers rejects; a torn one
+    badcfg.mkdir()
+    (badcfg / "config.json").write_text('{"model_type": "gpt2", "n_layer": "x"}')
+    shutil.copytree(done, garbled)
+    (garbled / "config.json").write_text('{"config": {')
     fill = dict(done=str(done), empty=str(tmp_path / "empty"), tmp=str(tmp_path), latin1=str(latin1))
+    fill |= dict(badcfg=str(badcfg), garbled=str(garbled))
     args = [a.format(**fill) for a in args]
     if args[0] == "train" and "--out" not in args:
         args += ["--out", str(tmp_path / "new")]

@@ -137,7 +137,7 @@ def test_trainer_resume_from_checkpoint_continues_the_run_folder(tmp_path):
         model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=32, n_layer=2, n_head=4))
         args = TrainingArguments(
             str(tmp_path / name), max_steps=16, per_device_train_batch_size=B, learning_rate=3e-3, seed=0,
-            save_steps=8, report_to=[], use_cpu=True, disable_tqdm=True,
+            save_steps=8, report_to=[], use_cpu=True, disable_tqdm=True, logging_steps=2,
         )  # fmt: skip
         return Trainer(model, args, train_dataset=data, callbacks=callbacks)
 
@@ -154,6 +154,16 @@ def test_trainer_resume_from_checkpoint_continues_the_run_folder(tmp_path):
     merged = whole.merge(resumed, on=key, suffixes=("_whole", "_resumed"))
     assert len(merged) == len(whole) == len(resumed)
     np.testing.assert_allclose(merged["value_resumed"], merged["value_whole"], rtol=1e-5, atol=1e-8)
+    # the losses the crashed run logged after its checkpoint are logged again, not twice
+    assert metric_steps(tmp_path / "resumed") == metric_steps(tmp_path / "whole") == list(range(2, 17, 2))
+
+
+def metric_steps(run) -> list[int]:
+    """The steps of a run's train-loss rows, asserting that no (split, step) occurs twice."""
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    keys = [(r["split"], r["step"]) for r in rows]
+    assert len(keys) == len(set(keys)), keys
+    return [r["step"] for r in rows if r["split"] == "train"]
 
 
 def test_lightning_resume_from_checkpoint_continues_the_run_folder(tmp_path):
@@ -203,3 +213,4 @@ def test_lightning_resume_from_checkpoint_continues_the_run_folder(tmp_path):
     g = pd.read_parquet(tmp_path / "run" / "geometry.parquet")
     assert sorted(g["step"].unique()) == [0, 1, 2, 4, 8, 16]
     assert read_json(tmp_path / "run" / "done.json")["step"] == 16
+    assert metric_steps(tmp_path / "run") == list(range(1, 17))  # the crashed run's 9-12 once, not twice

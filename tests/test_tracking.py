@@ -4,6 +4,8 @@ and the folders it refuses. The Trainer and Lightning callbacks: tests/test_inte
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pandas as pd
 import pytest
@@ -169,3 +171,66 @@ def test_folders_and_inputs_it_refuses(tmp_path):
     assert sorted(pd.read_parquet(out / "geometry.parquet")["step"].unique()) == [0, 1, 2]
     with pytest.raises(ProbeError, match="holds a finished run"):
         qkgeom.Probe(gpt2(), fixed_batch(), out=out)
+
+
+def test_a_probe_killed_while_consolidating_resumes_without_losing_geometry(tmp_path, monkeypatch):
+    """Killed between writing geometry.parquet and spectra.npz at finish, then resumed and trained
+    further: the later probes join the earlier ones (the consolidated file was split back into parts)."""
+    from qkgeom.results import RunDir
+
+    out = tmp_path / "run"
+    probe = qkgeom.Probe(gpt2(), fixed_batch(), every=10, out=out)
+    for step in range(13):
+        probe(step)
+
+    def killed(*_):
+        raise KeyboardInterrupt("killed after geometry.parquet was written")
+
+    monkeypatch.setattr(RunDir, "write_spectra", killed)
+    with pytest.raises(KeyboardInterrupt):
+        probe.finish(12)
+    probe.close()
+    monkeypatch.undo()
+    assert (out / "geometry.parquet").exists() and not (out / "done.json").exists()
+    again = qkgeom.Probe(gpt2(), fixed_batch(), every=10, out=out, resume=True)
+    for step in range(13, 33):
+        again(step)
+    again.finish(32)
+    assert read_json(out / "done.json")["step"] == 32
+    assert sorted(pd.read_parquet(out / "geometry.parquet")["step"].unique()) == [0, 1, 2, 4, 8, 10, 12, 20, 30, 32]
+    assert list(np.load(out / "spectra.npz")["step"]) == [0, 1, 2, 4, 8, 10, 12, 20, 30, 32]
+
+
+def test_a_resume_logs_each_step_once_and_must_continue_the_same_run(tmp_path):
+    out = tmp_path / "run"
+    probe = qkgeom.Probe(gpt2(), fixed_batch(), every=4, out=out)
+    for step in range(7):
+        probe(step)
+        probe.log_metrics(step + 1, 1.0)
+    probe.close()  # killed after step 7's loss; the user's checkpoint is at step 4
+    with pytest.raises(ProbeError, match="probed on another batch"):
+        qkgeom.Probe(gpt2(), fixed_batch(seed=1), every=4, out=out, resume=True)
+    other = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=T, n_embd=32, n_layer=3, n_head=4))
+    with pytest.raises(ProbeError, match="model.n_layers = 2, not 3"):
+        qkgeom.Probe(other, fixed_batch(), every=4, out=out, resume=True)
+    again = qkgeom.Probe(gpt2(), fixed_batch(), every=4, out=out, resume=True)
+    for step in range(4, 9):
+        again(step)
+        again.log_metrics(step + 1, 2.0)
+    again.finish(9)
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in rows] == [(s, 1.0) for s in range(1, 5)] + [(s, 2.0) for s in range(5, 10)]
+
+
+def test_non_finite_weights_skip_the_probe_with_a_reason_instead_of_crashing(tmp_path):
+    model = gpt2()
+    probe = qkgeom.Probe(model, fixed_batch(), every=2, out=tmp_path / "run")
+    assert probe(0)
+    with torch.no_grad():
+        model.transformer.h[1].attn.c_attn.weight[0, 0] = float("nan")
+        model.transformer.h[1].attn.c_attn.weight[0, 1] = float("inf")
+    with pytest.warns(RuntimeWarning, match=r"transformer.h.1.attn.c_attn.weight: 1 NaN, 1 inf of 3072"):
+        assert not probe(2)
+    probe.finish(2)
+    assert sorted(pd.read_parquet(tmp_path / "run" / "geometry.parquet")["step"].unique()) == [0]
+    assert "not finite" in (tmp_path / "run" / "warnings.jsonl").read_text()
