@@ -3,7 +3,7 @@
 import sys
 from pathlib import Path
 
-from qkgeom.data import wikitext_mirror
+from qkgeom.training.data import wikitext_mirror
 
 
 def require_wikitext() -> Path:

@@ -15,10 +15,10 @@ import time
 import torch
 
 from qkgeom import config as C
-from qkgeom import interventions as I
-from qkgeom.model import GPT
-from qkgeom.probe import gpt_weights
-from qkgeom.train import make_optimizer
+from qkgeom.probing.probe import gpt_weights
+from qkgeom.training import interventions as I
+from qkgeom.training.loop import make_optimizer
+from qkgeom.training.model import GPT
 
 CONTROLS = {
     "hold on W_K": dict(kind="hold"),

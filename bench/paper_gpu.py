@@ -25,8 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import require_wikitext  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
-from qkgeom.model import GPT  # noqa: E402
-from qkgeom.train import train  # noqa: E402
+from qkgeom.training.loop import train  # noqa: E402
+from qkgeom.training.model import GPT  # noqa: E402
 
 
 def main() -> None:

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from pretrained_throughput import measure
 
-from qkgeom import stats
-from qkgeom.pretrained import analyse_model, token_batches
+from qkgeom.analysis import stats
+from qkgeom.probing.hf import analyse_model, token_batches
 
 
 def peer_rows(model, batches, n_layers: int, d: int) -> dict[tuple[int, str], float]:

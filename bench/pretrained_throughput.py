@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from qkgeom import stats
-from qkgeom.pretrained import analyse_model, load_model, token_batches
+from qkgeom.analysis import stats
+from qkgeom.probing.hf import analyse_model, load_model, token_batches
 
 
 def rss() -> int:

@@ -23,10 +23,10 @@ from common import require_wikitext
 from transformers import GPT2Config, GPT2LMHeadModel, PrinterCallback, Trainer, TrainingArguments
 from transformers.utils import logging as hf_logging
 
+from qkgeom.analysis.stats import t_mean_ci
 from qkgeom.config import DataConfig
-from qkgeom.data import load_corpus
 from qkgeom.integrations.transformers import QKGeometryCallback
-from qkgeom.stats import t_mean_ci
+from qkgeom.training.data import load_corpus
 
 
 def run(args, blocks: torch.Tensor, vocab: int, out: Path | None) -> float:

@@ -21,8 +21,8 @@ import torch
 
 from qkgeom import config as C
 from qkgeom import results
-from qkgeom.model import GPT
-from qkgeom.probe import probe_gpt
+from qkgeom.probing.probe import probe_gpt
+from qkgeom.training.model import GPT
 
 REAL_WRITER = results.atomic_write_bytes
 

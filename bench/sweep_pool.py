@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import require_wikitext  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
-from qkgeom.sweep import SweepSpec, execute, expand, load_sweep  # noqa: E402
+from qkgeom.training.sweep import SweepSpec, execute, expand, load_sweep  # noqa: E402
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     spec: SweepSpec = load_sweep(args.sweep)
     runs = expand(spec)[: args.runs or None]
     cores = os.cpu_count() or 1
-    from qkgeom.data import load_corpus
+    from qkgeom.training.data import load_corpus
 
     load_corpus(runs[0].config.data)  # warm the encoding cache for both
     with tempfile.TemporaryDirectory() as tmp:

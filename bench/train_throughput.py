@@ -40,8 +40,8 @@ from common import require_wikitext  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
 from qkgeom import stats  # noqa: E402
-from qkgeom.data import batch_offsets, gather, load_corpus  # noqa: E402
-from qkgeom.train import lr_at, train  # noqa: E402
+from qkgeom.training.data import batch_offsets, gather, load_corpus  # noqa: E402
+from qkgeom.training.loop import lr_at, train  # noqa: E402
 
 
 class PlainBlock(nn.Module):

@@ -29,8 +29,8 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers.utils import logging as hf_logging
 
 from qkgeom.config import DataConfig
-from qkgeom.data import fixed_offsets, gather, load_corpus
 from qkgeom.integrations.transformers import QKGeometryCallback
+from qkgeom.training.data import fixed_offsets, gather, load_corpus
 
 CTX, BATCH = 128, 16
 

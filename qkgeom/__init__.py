@@ -16,24 +16,24 @@ except importlib.metadata.PackageNotFoundError:  # a source tree that was never 
 
 
 def __getattr__(name: str):
-    """`qkgeom.Probe` (qkgeom.tracking), imported on first use: a bare `import qkgeom` stays light."""
+    """`qkgeom.Probe` (qkgeom.probing.tracking), imported on first use: a bare `import qkgeom` stays light."""
     if name == "Probe":
-        from qkgeom.tracking import Probe
+        from qkgeom.probing.tracking import Probe
 
         return Probe
     raise AttributeError(f"module 'qkgeom' has no attribute {name!r}")
 
 
 def load_runs(path: str | Path) -> pd.DataFrame:
-    """Tidy geometry rows of every finished run under `path` (see qkgeom.analysis.load_runs)."""
-    from qkgeom.analysis import load_runs as _load_runs
+    """Tidy geometry rows of every finished run under `path` (see qkgeom.analysis.claims.load_runs)."""
+    from qkgeom.analysis.claims import load_runs as _load_runs
 
     return _load_runs(path)
 
 
 def measure(q, k, pattern=None, causal: bool = True, w_q=None, w_k=None) -> pd.DataFrame:
-    """Geometry rows from your own q, k (and pattern), from any model (see qkgeom.probe.measure)."""
-    from qkgeom.probe import measure as _measure
+    """Geometry rows from your own q, k (and pattern), from any model (see qkgeom.probing.probe.measure)."""
+    from qkgeom.probing.probe import measure as _measure
 
     return _measure(q, k, pattern, causal, w_q, w_k)
 
@@ -45,7 +45,7 @@ def analyse(model, batches, logit_max_seqs: int | None = 4) -> pd.DataFrame:
     For other models, read q, k with hooks and call `measure`."""
     import pandas as pd
 
-    from qkgeom.pretrained import analyse_model
+    from qkgeom.probing.hf import analyse_model
 
     rows, _ = analyse_model(model, iter(batches), logit_max_seqs=logit_max_seqs)
     return pd.DataFrame(rows)

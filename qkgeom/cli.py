@@ -84,7 +84,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from qkgeom.train import train
+    from qkgeom.training.loop import train
 
     cfg = C.load(args.config, args.overrides)
     out = Path(args.out) if args.out else Path(args.runs) / "train" / C.run_id(cfg)
@@ -95,16 +95,20 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace):
     from qkgeom.results import RunDir
-    from qkgeom.sweep import expand, load_sweep, run_sweep
+    from qkgeom.training.sweep import expand, load_sweep, run_sweep
 
     spec = load_sweep(args.sweep, args.overrides)
     out = Path(args.out) if args.out else Path(args.runs) / spec.name
+    records = _records_dir(spec)
+    recorded = _recorded(records)
     if args.dry_run:
         runs = expand(spec)
-        print(f"{len(runs)} runs -> {out}")
+        print(f"{len(runs)} runs -> {out}" + (f" (records: {records})" if records else ""))
         for r in runs:
-            state = "done" if RunDir(out / r.run_id).is_done() else "todo"
+            state = "recorded" if r.run_id in recorded else "done" if RunDir(out / r.run_id).is_done() else "todo"
             print(f"  [{state}] {r.run_id}  " + " ".join(f"{k}={v}" for k, v in r.overrides.items()))
+        if records:
+            print(_records_eta(runs, recorded, records))
         return spec, out, None
     res = run_sweep(
         spec,
@@ -114,6 +118,8 @@ def _sweep(args: argparse.Namespace):
         executor=args.executor,
         address=args.address,
         gpus_per_run=args.gpus_per_run,
+        skip=recorded,
+        on_done=_record_writer(out, records),
     )
     print(
         f"sweep {spec.name}: {len(res.done)} trained, {len(res.skipped)} already done, "
@@ -124,9 +130,58 @@ def _sweep(args: argparse.Namespace):
     return spec, out, res
 
 
+def _records_dir(spec) -> Path | None:
+    """Where a study that accumulates across sessions keeps its records ([analysis] records, from the checkout)."""
+    from qkgeom.config import REPO_ROOT
+
+    rel = spec.analysis.get("records")
+    return REPO_ROOT / rel if rel else None
+
+
+def _recorded(records: Path | None) -> set[str]:
+    if records is None:
+        return set()
+    from qkgeom.analysis.records import recorded_runs
+
+    return recorded_runs(records)
+
+
+def _record_writer(out: Path, records: Path | None):
+    """on_done for a study with records: each finished run's record at once (then commit it)."""
+    if records is None:
+        return None
+    from qkgeom.analysis.records import write_record
+    from qkgeom.results import RECORDS_DIR
+
+    return lambda run_id: write_record(out / run_id, records / RECORDS_DIR)
+
+
+def _records_eta(runs, recorded: set[str], records: Path) -> str:
+    """done / to do / estimated time, from the step times measured in the recorded runs."""
+    from qkgeom.analysis.records import measured_seconds
+
+    per_step = measured_seconds(records)  # seconds per step, by (n_layers, batch tokens)
+    todo = [r for r in runs if r.run_id not in recorded]
+    known = [per_step.get((r.config.model.n_layers, r.config.train.batch_size * r.config.model.n_ctx)) for r in todo]
+    eta = sum(k * r.config.train.steps for k, r in zip(known, todo, strict=True) if k)
+    unknown = sum(k is None for k in known)
+    return (
+        f"recorded {len(recorded)} / {len(runs)}; to do {len(todo)} runs, "
+        f"~{eta / 3600:.1f} h of one worker at the measured step times"
+        + (f" (+{unknown} runs of an unmeasured shape)" if unknown else "")
+        + "; two workers on two cores take about half that"
+    )
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     _, _, res = _sweep(args)
     return 1 if res is not None and res.failed else 0
+
+
+def _add_executor_args(p: argparse.ArgumentParser, what: str) -> None:
+    """--executor and --address: where the jobs of a sweep, study or family run (qkgeom.executor)."""
+    p.add_argument("--executor", choices=["local", "ray"], default="local", help=what)
+    p.add_argument("--address", help="Ray cluster address (default: start or join a local instance)")
 
 
 def _add_sweep_args(p: argparse.ArgumentParser) -> None:
@@ -139,20 +194,14 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
         default=0,
         help="parallel runs (default: one per CPU core; each gets cores/workers torch threads)",
     )
-    p.add_argument(
-        "--executor",
-        choices=["local", "ray"],
-        default="local",
-        help="local process pool (default) or a Ray cluster (pip install qkgeom[ray])",
-    )
-    p.add_argument("--address", help="Ray cluster address (default: start or join a local instance)")
+    _add_executor_args(p, "local process pool (default) or a Ray cluster (pip install qkgeom[ray])")
     p.add_argument("--gpus-per-run", type=float, default=0.0, help="with --executor ray: GPUs each run asks for")
     p.add_argument("--dry-run", action="store_true", help="list the runs (and which are done) without running")
 
 
 def _analyze(path: str | Path):
     """Analyse a folder of runs, printing one warning line per skipped run."""
-    from qkgeom.report import analyze
+    from qkgeom.report.study import analyze
 
     a = analyze(path)
     for msg in a.skipped:
@@ -160,9 +209,24 @@ def _analyze(path: str | Path):
     return a
 
 
-def cmd_analyze(args: argparse.Namespace) -> int:
-    from qkgeom.report import format_claims
+def _ladder(path: str | Path) -> bool:
+    """A token ladder is analysed by analysis.ladder (report.study.analyze_ladder); print its verdicts."""
+    from qkgeom.analysis.runs import is_ladder
+    from qkgeom.report.study import analyze_ladder, format_verdict_table, verdicts_ladder
 
+    if not is_ladder(path):
+        return False
+    claims, page = analyze_ladder(path)
+    print(format_verdict_table(verdicts_ladder(claims)))
+    print(f"\nwrote {Path(path) / 'claims.csv'}, {Path(path) / 'verdicts.csv'}; report: {page}")
+    return True
+
+
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from qkgeom.report.study import format_claims
+
+    if _ladder(args.dir):
+        return 0
     a = _analyze(args.dir)
     print(format_claims(a.claims))
     n_traj = a.trajectories.groupby(["intervention", "qk_init", "n_layers", "layer"]).ngroups
@@ -173,28 +237,48 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_verdicts(args: argparse.Namespace) -> int:
+    from qkgeom.report.study import verdicts_index
+    from qkgeom.results import atomic_write_bytes
+
+    text = verdicts_index(args.dir)
+    atomic_write_bytes(Path(args.dir) / "VERDICTS.md", text.encode())
+    print(text)
+    return 0
+
+
 def cmd_report(args: argparse.Namespace) -> int:
-    from qkgeom.family_report import family_study_section, write_family_report
-    from qkgeom.report import write_report
+    from qkgeom.report.family import family_study_section, write_family_report
+    from qkgeom.report.study import write_report
     from qkgeom.results import is_pretrained_output
 
     if is_pretrained_output(args.dir):  # a model or checkpoint family from `qkgeom pretrained`
         print(f"report: {write_family_report(args.dir)}")
+        return 0
+    if _ladder(args.dir):
         return 0
     print(f"report: {write_report(_analyze(args.dir), family_study_section(args.dir))}")
     return 0
 
 
 def cmd_study(args: argparse.Namespace) -> int:
-    from qkgeom.family_report import family_study_section
-    from qkgeom.family_study import analyse_families, is_family_study
-    from qkgeom.report import format_verdicts, write_report
+    from qkgeom.families.study import analyse_families, is_family_study
+    from qkgeom.report.family import family_study_section
+    from qkgeom.report.study import format_verdicts, write_report
 
-    _, out, res = _sweep(args)
+    spec, out, res = _sweep(args)
     if res is None:  # --dry-run
         return 0
+    records = _records_dir(spec)
+    if records is not None:  # an accumulating study: it is analysed from all its committed records
+        from qkgeom.training.sweep import expand, write_manifest
+
+        write_manifest(spec, expand(spec), records)
+        out = records
     if is_family_study(out):  # runs that kept log-spaced checkpoints: each read as a checkpoint family
         analyse_families(out, progress=not args.no_progress)
+    if _ladder(out):
+        return 1 if res.failed else 0
     a = _analyze(out)
     report = write_report(a, family_study_section(out))
     print(format_verdicts(a.claims))
@@ -203,7 +287,7 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 
 def cmd_pretrained(args: argparse.Namespace) -> int:
-    from qkgeom.archs import check_model_type
+    from qkgeom.probing.archs import check_model_type
 
     for rev in args.revision or [None]:  # an unsupported local model: one line at once, nothing imported
         check_model_type(args.model, rev)
@@ -222,13 +306,13 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
         "early_max_step": args.early_max_step,
     }  # flags given on the command line override the --config file; --set overrides both
     overrides = [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None] + args.overrides
-    from qkgeom.pretrained_config import load_pretrained
+    from qkgeom.families.config import load_pretrained
 
     pc = load_pretrained(args.config, overrides)
     from transformers.utils import logging as hf_logging
 
-    from qkgeom.family import run_pretrained
-    from qkgeom.family_report import write_family_report
+    from qkgeom.families.revisions import run_pretrained
+    from qkgeom.report.family import write_family_report
 
     hf_logging.disable_progress_bar()  # per-revision weight-loading bars drown the overall one
     hf_logging.set_verbosity_error()
@@ -241,7 +325,7 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from qkgeom.export import export_run
+    from qkgeom.families.export import export_run
 
     folders = export_run(args.run, args.out)
     print(f"exported {len(folders)} checkpoints as GPT-2 folders: " + ", ".join(f.name for f in folders))
@@ -315,6 +399,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser(
+        "verdicts",
+        help="every pre-registered primary row of every committed study, with raw and Holm p",
+        description="Read DIR/*/claims.csv (committed studies) and each study's primary family ([analysis] "
+        "primary in configs/study-<name>.toml or DIR/<study>/preregistration.toml); write DIR/VERDICTS.md.",
+    )
+    p.add_argument("dir", nargs="?", default="docs/results", help="the committed results (default docs/results)")
+    p.set_defaults(fn=cmd_verdicts)
+
+    p = sub.add_parser(
         "study",
         help="sweep -> analyze -> report in one command",
         description="Run a study preset or sweep file end to end (sweep -> analyze -> report); it ends with the "
@@ -338,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         "model", help="hub name (EleutherAI/pythia-70m) or local folder (also one with a folder per revision)"
     )
     p.add_argument(
-        "--config", help="a TOML file with a [pretrained] table (fields of qkgeom.pretrained_config.PretrainedConfig)"
+        "--config", help="a TOML file with a [pretrained] table (fields of qkgeom.families.config.PretrainedConfig)"
     )
     _add_set_arg(p, "override a field, e.g. --set logit_max_seqs=16 (repeatable; the flags below are shortcuts)")
     p.add_argument("--revision", action="append", default=[], help="revision (repeatable), e.g. step1000")
@@ -361,13 +454,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--early-max-step", type=int, help="last step of the early window (default 1000)")
     _add_output_args(p, "RUNS/pretrained/<model>")
-    p.add_argument(
-        "--executor",
-        choices=["local", "ray"],
-        default="local",
-        help="revisions one after another (default) or in parallel as Ray tasks",
-    )
-    p.add_argument("--address", help="Ray cluster address (default: start a local instance)")
+    _add_executor_args(p, "revisions one after another (default) or in parallel as Ray tasks")
     p.set_defaults(fn=cmd_pretrained)
 
     p = sub.add_parser(

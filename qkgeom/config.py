@@ -20,6 +20,11 @@ from typing import Any
 
 from qkgeom.errors import QKGeomError
 
+# The checkout this package runs from (an editable install): the one place that derives it from
+# __file__, so that moving a module never moves what it points at. configs/ lies in it, and the
+# shared WikiText mirror beside it (training.data.wikitext_mirror).
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
 QK_INITS = ("independent", "orthogonal", "tied", "anti_tied")
 INTERVENTIONS = ("none", "hold", "contract", "expand")
 CONTROL_TARGETS = ("key", "interaction")
@@ -285,7 +290,7 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
     return from_dict(apply_overrides(data, overrides or []))
 
 
-CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+CONFIG_DIR = REPO_ROOT / "configs"
 
 
 def resolve_preset(path: str | Path) -> Path:

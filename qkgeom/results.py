@@ -35,6 +35,7 @@ import numpy as np
 import pandas as pd
 import torch
 
+from qkgeom.config import REPO_ROOT
 from qkgeom.errors import QKGeomError
 
 GEOMETRY_COLUMNS = ["step", "tokens_seen", "layer", "head", "site", "metric", "value"]
@@ -54,7 +55,35 @@ class FolderLockedError(QKGeomError, RuntimeError):
 
 LOCK_FILE = ".lock"
 SWEEP_MANIFEST = "sweep.json"
-# an exported revision (qkgeom.export): its vocabulary, and its provenance (written last)
+LAST_CHECKPOINT = "last.pt"  # a run's resume point under checkpoints/
+RECORDS_DIR = "runs"  # a committed study's per-run records: docs/results/<study>/runs/<run_id>/
+REPORT_DIR, REPORT_INDEX = "report", "index.html"  # a study's, run's or family's report folder and page
+# a family folder (`qkgeom pretrained`) and a family study's tables
+REVISIONS_CSV, TRENDS_CSV = "revisions.csv", "trends.csv"
+FAMILY_SEEDS_CSV, FAMILY_CLAIMS_CSV = "family_seeds.csv", "family_claims.csv"
+
+
+def kept_checkpoint(step: int) -> str:
+    """The file name of a checkpoint kept at `step` (beside last.pt)."""
+    return f"step_{step}.pt"
+
+
+def revision_name(step: int) -> str:
+    """The folder (revision) of an exported checkpoint of `step`."""
+    return f"step_{step}"
+
+
+def write_table(folder: Path, name: str, df: pd.DataFrame, parquet: bool = False) -> Path:
+    """`df` as folder/name.csv (and name.parquet if asked), each written atomically; returns the CSV."""
+    if parquet:
+        buf = io.BytesIO()
+        df.to_parquet(buf, index=False)
+        atomic_write_bytes(Path(folder) / f"{name}.parquet", buf.getvalue())
+    atomic_write_bytes(Path(folder) / f"{name}.csv", df.to_csv(index=False).encode())
+    return Path(folder) / f"{name}.csv"
+
+
+# an exported revision (qkgeom.families.export): its vocabulary, and its provenance (written last)
 EXPORT_VOCAB = "qkgeom_vocab.json"
 EXPORT_INFO = "qkgeom_export.json"
 
@@ -148,7 +177,7 @@ def package_version() -> str:
 
 def provenance() -> dict[str, Any]:
     """Where and with what a result was made: git sha, package versions, machine."""
-    root = Path(__file__).resolve().parent.parent
+    root = REPO_ROOT
     try:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
@@ -190,7 +219,7 @@ class RunDir:
     done = property(lambda self: self.path / "done.json")
     error = property(lambda self: self.path / "error.json")
     warnings = property(lambda self: self.path / "warnings.jsonl")
-    last_checkpoint = property(lambda self: self.checkpoints / "last.pt")
+    last_checkpoint = property(lambda self: self.checkpoints / LAST_CHECKPOINT)
 
     def is_done(self) -> bool:
         return self.done.is_file()
@@ -340,14 +369,14 @@ class RunDir:
         return {k: np.stack([d[k] for d in loaded]) for k in loaded[0]}
 
     # checkpoints -----------------------------------------------------------------------------
-    def save_checkpoint(self, state: dict[str, Any], name: str = "last.pt") -> Path:
+    def save_checkpoint(self, state: dict[str, Any], name: str = LAST_CHECKPOINT) -> Path:
         buf = io.BytesIO()
         torch.save(state, buf)
         path = self.checkpoints / name
         atomic_write_bytes(path, buf.getvalue())
         return path
 
-    def load_checkpoint(self, name: str = "last.pt") -> dict[str, Any]:
+    def load_checkpoint(self, name: str = LAST_CHECKPOINT) -> dict[str, Any]:
         """Load with torch's weights-only unpickler (no arbitrary code); errors name the file."""
         path = self.checkpoints / name
         if not path.is_file():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from qkgeom.data import wikitext_mirror
+from qkgeom.training.data import wikitext_mirror
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -5,7 +5,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qkgeom import causal, stats
+from qkgeom.analysis import causal, stats
 from tests.test_analysis import STEPS, claim, synthetic
 
 SEEDS = range(5)

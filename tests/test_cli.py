@@ -7,8 +7,8 @@ import sys
 import pytest
 
 from qkgeom import config as C
-from qkgeom import sweep as S
-from qkgeom.analysis import arm_label
+from qkgeom.analysis.claims import arm_label
+from qkgeom.training import sweep as S
 from tests.conftest import REPO
 
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from qkgeom import config as C
-from qkgeom import data as D
+from qkgeom.training import data as D
 
 
 def write_folder(root, train="hello world\n", valid="held lord ~\n", test="test\n"):

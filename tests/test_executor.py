@@ -4,9 +4,9 @@ import json
 
 import pytest
 
-from qkgeom import sweep as S
-from qkgeom.pretrained_config import load_pretrained
+from qkgeom.families.config import load_pretrained
 from qkgeom.results import RunDir
+from qkgeom.training import sweep as S
 from tests.test_sweep import write_sweep
 
 ray = pytest.importorskip("ray")
@@ -40,9 +40,9 @@ def test_ray_executor_matches_local_pool(tmp_path, local_ray):
 def test_ray_family_equals_local(tmp_path, local_ray):
     import numpy as np
 
-    from qkgeom import family as F
-    from qkgeom.export import export_run
-    from qkgeom.train import train
+    from qkgeom.families import revisions as F
+    from qkgeom.families.export import export_run
+    from qkgeom.training.loop import train
     from tests.conftest import tiny_config
 
     rd = train(tiny_config(train={"steps": 6, "checkpoint_steps": [0, 3]}), tmp_path / "run", progress=False)

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from qkgeom import family as F
-from qkgeom import pretrained as P
-from qkgeom.data import fixed_offsets, gather, load_corpus
-from qkgeom.export import export_run
-from qkgeom.model import GPT
-from qkgeom.pretrained_config import load_pretrained
-from qkgeom.probe import probe_gpt
-from qkgeom.train import train
+from qkgeom.families import revisions as F
+from qkgeom.families.config import load_pretrained
+from qkgeom.families.export import export_run
+from qkgeom.probing import hf as P
+from qkgeom.probing.probe import probe_gpt
+from qkgeom.training.data import fixed_offsets, gather, load_corpus
+from qkgeom.training.loop import train
+from qkgeom.training.model import GPT
 from tests.conftest import tiny_config
 
 pytestmark = pytest.mark.usefixtures("wikitext")
@@ -101,9 +101,11 @@ def test_family_resume_hashing_and_trends(exported, tmp_path):
     assert (revs.set_index("revision").loc[["step_0", "step_6", "step_12"], "flag"] == "").all()
     assert revs.set_index("revision").loc["step_12", "tokens_seen"] == 12 * cfg.train.batch_size * cfg.model.n_ctx
     trends = F.family_trends(geometry, early_max_step=7)
-    early = trends[(trends["window"] == "early") & (trends["layer"] == "mean")].iloc[0]
+    early = trends[
+        (trends["window"] == "early") & (trends["layer"] == "mean") & trends["statistic"].str.startswith("Spearman")
+    ].iloc[0]
     assert early["n"] == 3  # steps 0, 6, 7
-    per_rev = trends[trends["statistic"].str.startswith("Spearman(interaction")]
+    per_rev = trends[trends["statistic"] == "Spearman(interaction rank, attention entropy) across heads"]
     assert set(per_rev["window"]) == {"step_0", "step_6", "step_7", "step_12"} and (per_rev["n"] == 8).all()
     with pytest.raises(P.PretrainedError, match="revision 'step_99' does not exist"):
         P.load_model(str(hf_root), "step_99")
@@ -179,8 +181,13 @@ def test_single_model_is_a_complete_result(exported, tmp_path):
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     trends = pd.read_csv(out / "trends.csv")
-    assert list(trends["statistic"]) == ["Spearman(interaction rank, attention entropy) across heads"]
+    assert list(trends["statistic"]) == [
+        "Spearman(interaction rank, attention entropy) across heads",
+        "Spearman(interaction rank, normalised entropy) across heads within layer",  # claim 4b, any model
+    ]
     assert trends["n"].iloc[0] == 2 * 4 and np.isfinite(trends["rho"].iloc[0])  # 2 layers x 4 heads
+    within = trends.iloc[1]
+    assert within["n"] == 8 and -1 <= within["rho"] <= 1 and 1 / 2001 <= within["p_value"] <= 1  # permutation p
     html = (out / "report" / "index.html").read_text()
     assert (out / "report" / "model_heads.png").is_file() and "model_heads" in html and "Per-layer values" in html
 
@@ -207,7 +214,9 @@ def test_kept_log_checkpoints_export_as_a_family_with_trends(tmp_path, capsys):
     assert len(revs) == len(kept) >= 5 and list(revs["step"]) == kept
     assert list(revs["tokens_seen"]) == [s * 8 * 32 for s in kept]  # tiny: batch 8 x n_ctx 32
     trends = pd.read_csv(fam / "trends.csv")
-    early = trends[(trends["window"] == "early") & (trends["layer"] == "mean")]
+    early = trends[
+        (trends["window"] == "early") & (trends["layer"] == "mean") & trends["statistic"].str.startswith("Spearman")
+    ]
     assert len(early) == 1 and early["n"].iloc[0] == len(kept)
 
 
@@ -272,11 +281,8 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
         P.load_model(str(tmp_path / "g"))
 
 
-def test_bad_pretrained_folders_are_one_line_errors(exported, tmp_path):
-    import subprocess
-    import sys
-
-    from tests.conftest import REPO
+def test_bad_pretrained_folders_are_one_line_errors(exported, tmp_path, capsys):
+    from qkgeom.cli import main
 
     _, _, hf_root, _ = exported
     (tmp_path / "empty").mkdir()
@@ -294,9 +300,7 @@ def test_bad_pretrained_folders_are_one_line_errors(exported, tmp_path):
         (notok, "turns the text into 0 tokens (a folder without tokenizer files?); pass --tokenizer"),
     ]
     for folder, says in cases:
-        r = subprocess.run(
-            [sys.executable, "-m", "qkgeom.cli", "pretrained", str(folder), "--n-tokens", "512", "--batch-size", "2",
-             "--out", str(tmp_path / "out" / folder.name), "--no-progress"],
-            capture_output=True, text=True, cwd=REPO,
-        )  # fmt: skip
-        assert r.returncode == 2 and r.stderr.count("\n") == 1 and says in r.stderr, (folder.name, r.stderr)
+        args = ["pretrained", str(folder), "--n-tokens", "512", "--batch-size", "2", "--no-progress"]
+        rc = main([*args, "--out", str(tmp_path / "out" / folder.name)])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert rc == 2 and says in err[-1] and err[-1].startswith("qkgeom pretrained: error:"), (folder.name, err)

@@ -8,7 +8,7 @@ import pandas as pd
 import pytest
 from scipy import stats as sps
 
-from qkgeom import family_study as FS
+from qkgeom.families import study as FS
 
 
 def _seeds(early: list[float], late: list[float], heads: dict[int, list[float]]) -> pd.DataFrame:
@@ -36,21 +36,29 @@ def test_family_claims_on_known_values():
     early, late = [0.9, 0.8, 0.85, 0.95], [0.1, -0.2, 0.0, 0.3]
     heads = {0: [-0.9, -0.9, -0.9, -0.9], 10: [0.2, 0.4, 0.3, 0.5], 20: [0.4, 0.6, 0.5, 0.3]}
     c = FS.family_claims(_seeds(early, late, heads)).set_index("claim")
-    f1 = c.loc[FS.F1]
-    assert f1["value"] == pytest.approx(0.875) and f1["n"] == 4 and f1["verdict"] == "holds"
-    assert (f1["ci_low"], f1["ci_high"]) == pytest.approx(_t(early))
-    decay = np.subtract(early, late)
+    f1 = c.loc[FS.F1]  # correlations are averaged through Fisher z (bounded), by hand here
+    assert f1["value"] == pytest.approx(_fz(early)[0]) and f1["n"] == 4 and f1["verdict"] == "holds"
+    assert (f1["ci_low"], f1["ci_high"]) == pytest.approx(_fz(early)[1:])
+    assert -1 < f1["ci_low"] < f1["ci_high"] < 1
+    decay = np.subtract(early, late)  # a difference of rhos: the t scale
     f2 = c.loc[FS.F2]
     assert f2["value"] == pytest.approx(decay.mean()) and (f2["ci_low"], f2["ci_high"]) == pytest.approx(_t(decay))
     assert f2["verdict"] == "holds" and c.loc[FS.F3, "verdict"] == "holds"
-    assert c.loc[FS.F6, "verdict"] == "" and c.loc[FS.F6, "value"] == pytest.approx(np.mean(late))  # no sign
+    assert c.loc[FS.F6, "verdict"] == "" and c.loc[FS.F6, "value"] == pytest.approx(_fz(late)[0])  # no sign
     pooled = np.mean([heads[10], heads[20]], axis=0)  # step 0 (the random init) is left out
-    assert c.loc[FS.F4, "value"] == pytest.approx(pooled.mean())
-    assert (c.loc[FS.F4, "ci_low"], c.loc[FS.F4, "ci_high"]) == pytest.approx(_t(pooled))
+    assert c.loc[FS.F4, "value"] == pytest.approx(_fz(pooled)[0])
+    assert (c.loc[FS.F4, "ci_low"], c.loc[FS.F4, "ci_high"]) == pytest.approx(_fz(pooled)[1:])
     f5 = c.loc[[FS.F5]]
     assert list(f5["window"]) == ["step 10", "step 20"]
-    assert f5["value"].to_numpy() == pytest.approx([np.mean(heads[10]), np.mean(heads[20])])
-    assert c.loc[FS.PER_LAYER, "value"] == pytest.approx(0.875 / 2)
+    assert f5["value"].to_numpy() == pytest.approx([_fz(heads[10])[0], _fz(heads[20])[0]])
+    assert c.loc[FS.PER_LAYER, "value"] == pytest.approx(_fz(np.divide(early, 2))[0])
+
+
+def _fz(rhos) -> tuple[float, float, float]:
+    """Fisher z by hand: tanh of the mean atanh and of its t-interval over seeds."""
+    z = np.arctanh(np.clip(np.asarray(rhos, float), -0.999999, 0.999999))  # a seed at +-1 stays finite
+    half = sps.t.ppf(0.975, len(z) - 1) * z.std(ddof=1) / np.sqrt(len(z))
+    return float(np.tanh(z.mean())), float(np.tanh(z.mean() - half)), float(np.tanh(z.mean() + half))
 
 
 def test_the_joint_verdict_fails_when_the_trend_grows_late():
@@ -66,7 +74,7 @@ def test_a_family_study_end_to_end(tmp_path, capsys):
     """Three tiny runs keeping log-spaced checkpoints: exported, analysed as families, judged across
     seeds in claims.csv, shown in the study report."""
     from qkgeom.cli import main
-    from qkgeom.sweep import load_sweep, run_sweep
+    from qkgeom.training.sweep import load_sweep, run_sweep
 
     sweep = tmp_path / "fam.toml"
     sweep.write_text(
@@ -83,9 +91,42 @@ def test_a_family_study_end_to_end(tmp_path, capsys):
     assert family.loc[FS.F1, "n"] == 3 and family.loc[FS.F1, "window_start"] == "steps <= 10"
     seeds = pd.read_csv(out / "family_seeds.csv")
     early = seeds[(seeds["statistic"] == FS.CONTRAST_TREND) & (seeds["layer"] == "mean") & (seeds["window"] == "early")]
-    assert early["rho"].mean() == pytest.approx(family.loc[FS.F1, "value"])
+    assert _fz(early["rho"])[0] == pytest.approx(family.loc[FS.F1, "value"])
     assert set(early["n"]) == {8}  # kept steps 0, 1, 2, 3, 4, 6, 7, 9 of a 40-step run lie in the early window
     html = (out / "report" / "index.html").read_text()
     assert "Checkpoint families (the paper" in html and "F3 an early regime that decays" in html
     assert (out / "report" / "family_seeds_contrast.png").is_file()
     assert not FS.is_family_study(tmp_path / "fam" / "family")  # exports are not runs
+
+
+def test_the_unbounded_decay_sees_what_a_saturated_rank_correlation_cannot():
+    """Early and late trends both monotone (Spearman 1 in every seed: F2 = 0), but the contrast rises
+    3x faster early: the slope-based decay F2u holds."""
+    seeds = _seeds([1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0], {})
+    extra = []
+    for seed, (e, lt) in enumerate([(3.0, 1.0), (2.8, 1.1), (3.2, 0.9), (3.1, 1.2)]):
+        for win, v in (("early", e), ("late", lt)):
+            extra.append({"statistic": FS.CONTRAST_SLOPE, "window": win, "layer": "mean", "slope": v, "seed": seed,
+                          "early_max_step": 1000})  # fmt: skip
+    c = FS.family_claims(pd.concat([seeds, pd.DataFrame(extra)], ignore_index=True)).set_index("claim")
+    assert c.loc[FS.F2, "value"] == 0.0 and c.loc[FS.F2, "verdict"] == "inconclusive"
+    assert c.loc[FS.F2_SLOPE, "value"] == pytest.approx(np.mean([2.0, 1.7, 2.3, 1.9]))
+    assert c.loc[FS.F2_SLOPE, "verdict"] == "holds"
+
+
+def test_the_within_layer_link_removes_a_depth_gradient_and_has_a_permutation_null():
+    from qkgeom.families.revisions import within_layer_link
+
+    idx = pd.MultiIndex.from_product([range(4), range(8)], names=["layer", "head"])
+    rng = np.random.default_rng(0)
+    depth = np.repeat(np.arange(4.0), 8)
+    ir = pd.Series(depth * 10 + rng.normal(0, 1, 32), index=idx)
+    unrelated = pd.Series(depth * 5 + rng.normal(0, 1, 32), index=idx)  # shares only the depth gradient
+    rho, p, n = within_layer_link(ir, unrelated)
+    assert n == 32 and abs(rho) < 0.4 and p > 0.05
+    from scipy import stats as sps
+
+    assert sps.spearmanr(ir, unrelated).statistic > 0.8  # what pooling over layers would have reported
+    related = pd.Series(depth * 5 + (ir - depth * 10) * 0.9 + rng.normal(0, 0.2, 32), index=idx)
+    rho, p, n = within_layer_link(ir, related)
+    assert rho > 0.8 and p < 0.001

@@ -20,7 +20,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from qkgeom import analysis as A
+from qkgeom.analysis import claims as A
 from qkgeom.results import RunDir, folder_lock
 from tests.conftest import REPO
 
@@ -500,7 +500,7 @@ def test_bad_input_zoo(reference, tmp_path, args, message):
 
 def test_analyze_refuses_runs_that_are_not_seeds_of_one_design(tmp_path):
     # two runs of different width were pooled as if they were two seeds
-    from qkgeom.train import train
+    from qkgeom.training.loop import train
     from tests.conftest import tiny_config
 
     train(tiny_config(train={"steps": 4, "seed": 0}), tmp_path / "a", progress=False)
@@ -514,7 +514,7 @@ def test_measure_names_bad_shapes_and_non_finite_values():
     import torch
 
     import qkgeom
-    from qkgeom.probe import MeasureError
+    from qkgeom.probing.probe import MeasureError
 
     q, k = torch.randn(2, 4, 8, 16), torch.randn(2, 2, 8, 16)
     pattern = torch.softmax(torch.randn(2, 4, 8, 8), -1)

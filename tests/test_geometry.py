@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from qkgeom import geometry as G
+from qkgeom.probing import geometry as G
 
 
 def test_isotropic_cloud_has_pr_d():

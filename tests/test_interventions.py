@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from qkgeom import config as C
-from qkgeom import interventions as I
-from qkgeom.geometry import participation_ratio
-from qkgeom.train import train
+from qkgeom.probing.geometry import interaction_singular_values, participation_ratio, singular_values
+from qkgeom.training import interventions as I
+from qkgeom.training.loop import train
 from tests.conftest import tiny_config
 
 
@@ -276,3 +276,85 @@ def test_controls_fall_back_to_the_svd_where_eigh_fails(monkeypatch):
     assert torch.allclose(sv, sv_ref, rtol=1e-10)
     assert torch.allclose((v @ v.transpose(-1, -2)), torch.eye(6, dtype=torch.float64).expand(4, 6, 6), atol=1e-12)
     assert torch.allclose(I.set_key_spectrum(w_k[0], sv, v, sv), w_k[0], atol=1e-12)
+
+
+def _cov(d: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(d, d, generator=g, dtype=torch.float64)
+    return a @ a.T / d + 0.1 * torch.eye(d, dtype=torch.float64)
+
+
+def test_logit_scale_is_the_variance_of_logits_between_independent_inputs():
+    """tr(M C M^T C) against a Monte Carlo of (x M x'^T)^2 for independent Gaussian x, x' ~ N(0, C)."""
+    g = torch.Generator().manual_seed(0)
+    w_q, w_k = (
+        torch.randn(2, 16, 4, generator=g, dtype=torch.float64),
+        torch.randn(2, 16, 4, generator=g, dtype=torch.float64),
+    )
+    c = _cov(16, 1)
+    chol = torch.linalg.cholesky(c)
+    x, x2 = (
+        torch.randn(200_000, 16, generator=g, dtype=torch.float64) @ chol.T,
+        torch.randn(200_000, 16, generator=g, dtype=torch.float64) @ chol.T,
+    )
+    m = w_q[0] @ w_k[0].T / 2.0
+    mc = ((x @ m) * x2).sum(-1).pow(2).mean()
+    assert float(I.logit_scale(w_q, w_k, c)[0]) == pytest.approx(float(mc), rel=0.02)
+
+
+def test_scale_matching_keeps_the_input_weighted_logit_scale():
+    g = torch.Generator().manual_seed(2)
+    w_q, w_k = (
+        torch.randn(4, 32, 8, generator=g, dtype=torch.float64),
+        torch.randn(4, 32, 8, generator=g, dtype=torch.float64),
+    )
+    c = _cov(32, 3)
+    before = I.logit_scale(w_q, w_k, c)
+    shaped, used, _ = I.key_shape_map(w_k, c, torch.full((4,), 2.5))  # a shape change moves the scale
+    assert not torch.allclose(I.logit_scale(w_q, shaped, c), before)
+    q2, k2 = I.match_logit_scale(w_q, shaped, c, before)
+    torch.testing.assert_close(I.logit_scale(q2, k2, c), before, rtol=1e-6, atol=0)
+
+
+def test_the_key_map_reaches_its_pr_target_and_leaves_w_q_alone():
+    """The map takes W_K alone (queries are untouched by construction) and reaches the PR target."""
+    g = torch.Generator().manual_seed(4)
+    w_k = torch.randn(4, 32, 8, generator=g, dtype=torch.float64)
+    c = _cov(32, 5)
+    target = torch.tensor([1.8, 3.0, 5.5, 7.9], dtype=torch.float64)
+    new, used, floored = I.key_shape_map(w_k, c, target)
+    lam = torch.linalg.eigvalsh(new.transpose(-1, -2) @ c @ new)
+    torch.testing.assert_close(participation_ratio(lam), target, rtol=1e-6, atol=0)
+    old_total = torch.linalg.eigvalsh(w_k.transpose(-1, -2) @ c @ w_k).sum(-1)
+    torch.testing.assert_close(lam.sum(-1), old_total, rtol=1e-9, atol=0)  # total key variance kept
+    assert not floored.any()
+    # below the feasibility floor a target is raised to it, never clipped to rank one
+    new, used, floored = I.key_shape_map(w_k, c, torch.tensor([0.6, 1.2, 3.0, 4.0], dtype=torch.float64))
+    assert floored.tolist() == [True, True, False, False] and used[:2].tolist() == [1.5, 1.5]
+    lam = torch.linalg.eigvalsh(new.transpose(-1, -2) @ c @ new)
+    torch.testing.assert_close(
+        participation_ratio(lam)[:2], torch.full((2,), 1.5, dtype=torch.float64), rtol=1e-6, atol=0
+    )
+
+
+def test_the_temperature_arm_changes_no_spectrum_shape():
+    g = torch.Generator().manual_seed(6)
+    w_q, w_k = (
+        torch.randn(4, 32, 8, generator=g, dtype=torch.float64),
+        torch.randn(4, 32, 8, generator=g, dtype=torch.float64),
+    )
+    c = _cov(32, 7)
+    q2, k2 = I.temperature(w_q, w_k, torch.tensor([0.5, 1.0, 2.0, 3.0]))
+
+    def shape(s: torch.Tensor) -> torch.Tensor:
+        return s / s.norm(dim=-1, keepdim=True)
+
+    for before, after in (
+        (singular_values(w_k), singular_values(k2)),
+        (interaction_singular_values(w_q, w_k), interaction_singular_values(q2, k2)),
+        (torch.linalg.eigvalsh(w_k.transpose(-1, -2) @ c @ w_k), torch.linalg.eigvalsh(k2.transpose(-1, -2) @ c @ k2)),
+    ):
+        torch.testing.assert_close(shape(after), shape(before), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(
+        I.logit_scale(q2, k2, c), I.logit_scale(w_q, w_k, c) * torch.tensor([0.25, 1.0, 4.0, 9.0], dtype=torch.float64)
+    )

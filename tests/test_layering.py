@@ -1,56 +1,92 @@
-"""The package's import graph: imports flow one way, with no circle and no arrow running back up.
+"""The package's import graph: wings in one direction, and an order inside each wing.
 
-Every qkgeom import counts, at module level or inside a function. Layer k may import only from
-layers < k. The README's "code in five minutes" tree lists the modules in this order.
+qkgeom is a ground floor (errors, config, results, executor) and five wings above it, each a
+sub-package: probing -> training -> analysis -> families -> report, then integrations, then the
+command line and the package's public face. A module may import only modules placed before it in
+ORDER: no circle, no arrow running back up, none into a later wing. Every qkgeom import counts, at
+module level or inside a function. The README's "code in five minutes" lists the modules in this order.
 """
 
 import ast
+import re
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "qkgeom"
-LAYERS = [
-    {"errors"},  # the project's error class: everything may raise it
-    {"config", "geometry", "stats", "archs", "hooks", "executor", "results"},
-    {"pretrained_config"},  # maths, tables, plumbing, the disk
-    {"data", "interventions", "model", "plots", "scalars"},
-    {"probe"},
-    {"pretrained", "train"},
-    {"tracking"},
-    {"runs", "context"},
-    {"analysis"},
-    {"sweep", "family", "causal", "export"},
-    {"family_study"},
-    {"report"},
-    {"family_report"},
-    {"cli", "__init__"},
+README = PACKAGE.parent / "README.md"
+ORDER = [
+    # ground: what every wing may use
+    ["errors"],
+    ["config"],
+    ["results", "executor"],
+    # probing: q, k, pattern -> rows
+    ["probing", "probing.geometry", "probing.hooks", "probing.archs"],
+    ["probing.probe"],
+    ["probing.hf", "probing.scalars"],
+    ["probing.tracking"],
+    # training: our GPT, steered
+    ["training", "training.model", "training.data", "training.interventions"],
+    ["training.loop"],
+    ["training.sweep"],
+    # analysis: runs -> verdicts
+    ["analysis", "analysis.stats", "analysis.runs"],
+    ["analysis.context", "analysis.claims"],
+    ["analysis.records"],
+    ["analysis.causal", "analysis.ladder"],
+    # families: checkpoint families
+    ["families", "families.config", "families.export"],
+    ["families.revisions"],
+    ["families.study"],
+    # report: figures and HTML (draw only)
+    ["report", "report.plots"],
+    ["report.study"],
+    ["report.family"],
+    # integrations: callbacks over probing.tracking (the core never imports them)
+    ["integrations", "integrations.transformers", "integrations.lightning"],
+    ["cli", "__init__"],
 ]
 
 
+def module_name(path: Path) -> str:
+    if not path.is_relative_to(PACKAGE):
+        return path.stem
+    rel = path.relative_to(PACKAGE).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__" and len(parts) > 1:
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
 def imports_of(path: Path) -> set[str]:
+    """Every qkgeom module `path` imports, as dotted names below qkgeom (`from qkgeom.analysis import
+    stats` counts as analysis.stats; a bare `import qkgeom` as __init__)."""
+    known = {module_name(p) for p in PACKAGE.rglob("*.py")}
     deps = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "qkgeom":
-            parts = node.module.split(".")
-            deps |= {parts[1]} if len(parts) > 1 else {a.name for a in node.names}
+            base = node.module.removeprefix("qkgeom").lstrip(".")
+            for a in node.names:
+                sub = f"{base}.{a.name}" if base else a.name
+                deps.add(sub if sub in known else base or "__init__")
         elif isinstance(node, ast.Import):
-            deps |= {a.name.split(".")[1] for a in node.names if a.name.startswith("qkgeom.")}
+            deps |= {a.name.removeprefix("qkgeom.") for a in node.names if a.name.startswith("qkgeom.")}
             deps |= {"__init__" for a in node.names if a.name == "qkgeom"}  # a bare `import qkgeom`
-    return deps - {path.stem}
+    return deps - {module_name(path)}
 
 
-def test_every_module_has_a_layer():
-    modules = {p.stem for p in PACKAGE.glob("*.py")}
-    placed = set().union(*LAYERS)
-    assert modules == placed, f"unplaced: {modules - placed}, missing: {placed - modules}"
+def test_every_module_has_a_place():
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")}
+    placed = {m for layer in ORDER for m in layer}
+    assert modules <= placed, f"unplaced: {sorted(modules - placed)}"
+    assert len(placed) == sum(map(len, ORDER)), "a module placed twice"
 
 
 def test_imports_only_point_down():
-    level = {m: i for i, layer in enumerate(LAYERS) for m in layer}
+    level = {m: i for i, layer in enumerate(ORDER) for m in layer}
     upward = [
-        f"{p.stem} (layer {level[p.stem]}) imports {d} (layer {level[d]})"
-        for p in sorted(PACKAGE.glob("*.py"))
+        f"{module_name(p)} (level {level[module_name(p)]}) imports {d} (level {level.get(d)})"
+        for p in sorted(PACKAGE.rglob("*.py"))
         for d in sorted(imports_of(p))
-        if level[d] >= level[p.stem]
+        if level.get(d, 10**6) >= level[module_name(p)]
     ]
     assert not upward, "\n".join(upward)
 
@@ -59,3 +95,26 @@ def test_a_bare_import_of_the_package_counts(tmp_path):
     mod = tmp_path / "results.py"
     mod.write_text("def f():\n    import qkgeom\n    return qkgeom.__version__\n")
     assert imports_of(mod) == {"__init__"}
+
+
+def test_the_readme_tree_names_every_module_in_order():
+    """The README's tree lists each wing's folder and every module in it, in ORDER."""
+    text = README.read_text()
+    tree = text[text.index("## The code in five minutes") :]
+    tree = tree[: tree.index("\n## ", 5)]
+    listed, wing = [], None
+    for line in tree.splitlines():
+        if m := re.match(r"^qkgeom/(?:([a-z_]+)/)?\s", line):
+            wing = m.group(1) or ""
+        elif line and not line.startswith(" "):
+            wing = None  # configs/, tests/, ...: not the package
+        elif wing is not None and (m := re.match(r"^\s{2,}([a-z_]+)\.py\s", line)):
+            listed.append(f"{wing}.{m.group(1)}" if wing else m.group(1))
+    modules = {module_name(p) for p in PACKAGE.rglob("*.py")} - {"probing", "training", "analysis", "families",
+                                                                  "report", "integrations"}  # fmt: skip
+    want = [m for layer in ORDER for m in layer if m in modules]
+    assert sorted(listed) == sorted(want), f"README tree vs package: {set(want) ^ set(listed)}"
+    position = {m: i for i, m in enumerate(want)}
+    level = {m: i for i, layer in enumerate(ORDER) for m in layer}
+    assert [level[m] for m in listed] == sorted(level[m] for m in listed), "the README tree lists modules out of order"
+    assert len(position) == len(listed)

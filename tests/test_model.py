@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from qkgeom import config as C
-from qkgeom.hooks import capture, patch
-from qkgeom.model import GPT
+from qkgeom.probing.hooks import capture, patch
+from qkgeom.training.model import GPT
 
 
 def make(qk_init: str, seed: int = 0, **kw) -> GPT:
@@ -30,7 +30,7 @@ def test_orthogonal_init_reads_orthogonal_subspaces():
 def test_orthogonal_init_matches_independent_singular_values():
     # the init comparison must differ only in how Q and K relate: over 20 seeds, the per-head
     # weight PR (PR of squared singular values) of orthogonal is within 5% of independent's
-    from qkgeom import geometry as G
+    from qkgeom.probing import geometry as G
 
     def mean_weight_pr(kind: str) -> float:
         prs = []

@@ -23,8 +23,8 @@ from transformers import (
     T5Config,
 )
 
-from qkgeom import archs as A
-from qkgeom import pretrained as P
+from qkgeom.probing import archs as A
+from qkgeom.probing import hf as P
 
 SMALL = dict(vocab_size=97)
 DECODER = dict(
@@ -219,7 +219,7 @@ def test_unsupported_local_model_is_refused_before_torch_is_imported(tmp_path):
     )
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t5")], capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "supported: bert" in r.stderr, r.stderr
-    assert "qkgeom/archs.py" in r.stderr
+    assert "qkgeom/probing/archs.py" in r.stderr
 
 
 def _bos_tokenizer(folder):

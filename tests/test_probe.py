@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from qkgeom.probe import GeometryAccumulator, QKSnapshot, weight_geometry
+from qkgeom.probing.probe import GeometryAccumulator, QKSnapshot, weight_geometry
 
 
 def rows_to_dict(rows):
@@ -101,7 +101,7 @@ def test_measure_with_plain_pytorch_hooks_on_a_foreign_model():
     # the README's "bring your own activations" example: torch.nn.MultiheadAttention, which qkgeom
     # does not know, read with plain forward hooks; rows must equal an independent computation
     import qkgeom
-    from qkgeom import geometry as G
+    from qkgeom.probing import geometry as G
 
     torch.manual_seed(0)
     D, H, T, B = 16, 2, 10, 3
@@ -131,8 +131,8 @@ def test_measure_with_plain_pytorch_hooks_on_a_foreign_model():
 def test_gpt_probe_logit_cap_uses_the_first_sequences_only():
     # the cap changes only the logit rows, and they equal an uncapped probe of those sequences
     from qkgeom import config as C
-    from qkgeom.model import GPT
-    from qkgeom.probe import probe_gpt
+    from qkgeom.probing.probe import probe_gpt
+    from qkgeom.training.model import GPT
 
     cfg = C.load("tiny")
     model = GPT(cfg.model, vocab_size=50, seed=0).eval()

@@ -1,9 +1,12 @@
 """stats: known answers and parity with direct numpy computations."""
 
+import itertools
+
 import numpy as np
 import pytest
+from scipy import stats as sp_stats
 
-from qkgeom import stats
+from qkgeom.analysis import stats
 
 
 def test_slope_exact_line():
@@ -120,3 +123,56 @@ def test_spearman_ci_fisher_z():
     rho, lo, hi, n = stats.spearman_ci(x, y)
     half = 1.959964 * np.sqrt(1.06 / 17)
     assert n == 20 and (lo, hi) == pytest.approx((np.tanh(np.arctanh(rho) - half), np.tanh(np.arctanh(rho) + half)))
+
+
+def test_tost_rules_out_only_when_the_90_interval_lies_inside_the_margin():
+    v = np.array([0.01, -0.02, 0.015, 0.0, -0.005, 0.01])
+    lo, hi, eq = stats.tost(v, margin=0.05)
+    half = sp_stats.t.ppf(0.95, 5) * v.std(ddof=1) / np.sqrt(6)  # the 90% t half-width, by hand
+    assert (lo, hi) == pytest.approx((v.mean() - half, v.mean() + half)) and eq
+    assert not stats.tost(v, margin=0.01)[2]  # the interval reaches past 0.01
+    assert not stats.tost(np.array([0.3, 0.5, 0.4]), margin=0.05)[2]
+    assert not stats.tost(v, margin=0.0)[2]
+
+
+def test_fisher_z_interval_stays_inside_minus_one_one():
+    rhos = np.array([0.70, 0.99, 1.0, 0.95])  # a seed at the ceiling: a t-interval on rho leaves [-1, 1]
+    assert stats.t_mean_ci(rhos)[1] > 1
+    mean, lo, hi = stats.fisher_z_mean_ci(rhos)
+    z = np.arctanh(np.clip(rhos, -0.999999, 0.999999))
+    zl, zh = stats.t_mean_ci(z)
+    assert (mean, lo, hi) == pytest.approx((np.tanh(z.mean()), np.tanh(zl), np.tanh(zh)))
+    assert -1 < lo < mean < hi < 1
+
+
+def test_sign_flip_p_is_exact_and_names_the_floor_of_the_design():
+    p, floor = stats.sign_flip_p(np.array([0.3, 0.1, 0.2, 0.4]))
+    assert (p, floor) == (0.125, 0.125)  # 2 of 16 patterns as extreme: nothing at n = 4 gets below
+    p, _ = stats.sign_flip_p(np.array([1.0, -1.0, 2.0, 3.0]))
+    # |mean| >= 1.25: patterns whose flipped sum has |s| >= 5 -> count them independently
+    v = np.array([1.0, -1.0, 2.0, 3.0])
+    sums = [abs(np.dot(s, v)) for s in itertools.product([1, -1], repeat=4)]
+    assert p == pytest.approx(np.mean([x >= 5 - 1e-9 for x in sums]))
+
+
+def test_two_uncoupled_series_sharing_a_schedule_come_out_null():
+    """Both follow the same LR-shaped trend plus their own noise: raw and first-difference
+    correlations are high, but the cross-seed surrogate null has the same correlation, so the
+    excess is null; a real coupling shows up as an excess."""
+    rng = np.random.default_rng(0)
+    steps = np.arange(40)
+    schedule = np.cos(np.pi * steps / 39)  # the shared clock
+    x = [schedule * 2 + rng.normal(0, 0.04, 40) for _ in range(8)]
+    y = [schedule * 3 + rng.normal(0, 0.04, 40) for _ in range(8)]
+    res = stats.comovement_excess(x, y)
+    assert res["observed"] > 0.2  # what a naive first-difference reading calls "tracks"
+    assert res["low"] < 0 < res["high"] and abs(res["excess"]) < 0.15 and res["n"] == 8
+    coupled = [xi + rng.normal(0, 0.05, 40) for xi in x]  # y_i moves with x_i itself
+    res = stats.comovement_excess(x, coupled)
+    assert res["low"] > 0.2
+
+
+def test_holm_matches_a_hand_computation():
+    p = np.array([0.01, 0.04, 0.03, 0.005, np.nan])
+    np.testing.assert_allclose(stats.holm(p)[:4], [0.03, 0.06, 0.06, 0.02])
+    assert np.isnan(stats.holm(p)[4])

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
-from qkgeom import sweep as S
 from qkgeom.results import RunDir
-from qkgeom.train import train
+from qkgeom.training import sweep as S
+from qkgeom.training.loop import train
 
 
 def write_sweep(tmp_path, grid: str, fixed: str = '"train.steps" = 8', name="t") -> str:

@@ -13,9 +13,9 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 import qkgeom
+from qkgeom.probing.tracking import ProbeError, probe_schedule
 from qkgeom.results import FolderLockedError, read_json
-from qkgeom.tracking import ProbeError, probe_schedule
-from qkgeom.train import probe_steps
+from qkgeom.training.loop import probe_steps
 
 VOCAB, T = 40, 32
 

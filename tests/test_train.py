@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 
 from qkgeom.results import RunDir
-from qkgeom.train import lr_at, probe_steps, train
+from qkgeom.training.loop import lr_at, probe_steps, train
 from tests.conftest import REPO, tiny_config
 
 pytestmark = pytest.mark.usefixtures("wikitext")
@@ -171,9 +171,9 @@ def test_losses_equal_a_plain_loop_with_the_same_seeds(tmp_path):
     # equal those of a bare PyTorch loop over the same model, batches, schedule and optimiser
     import torch
 
-    from qkgeom.data import batch_offsets, gather, load_corpus
-    from qkgeom.model import GPT
-    from qkgeom.train import make_optimizer
+    from qkgeom.training.data import batch_offsets, gather, load_corpus
+    from qkgeom.training.loop import make_optimizer
+    from qkgeom.training.model import GPT
 
     cfg = tiny_config(train={"steps": 20, "checkpoint_every": 5, "eval_every": 5}, probe={"every": 4})
     rd = train(cfg, tmp_path / "r", progress=False)

@@ -20,7 +20,7 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("the Lightning callback needs lightning: pip install 'qkgeom[lightning]'") from e
 
-from qkgeom.tracking import Probe
+from qkgeom.probing.tracking import Probe
 
 
 class QKGeometryCallback(Callback):

@@ -21,7 +21,7 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("the Trainer callback needs accelerate: pip install 'qkgeom[transformers]'") from e
 
-from qkgeom.tracking import Probe
+from qkgeom.probing.tracking import Probe
 
 
 class QKGeometryCallback(TrainerCallback):

@@ -14,8 +14,8 @@ import numpy as np
 import pandas as pd
 
 import qkgeom
-from qkgeom import analysis as A
-from qkgeom import stats
+from qkgeom.analysis import claims as A
+from qkgeom.analysis import stats
 
 
 def main(path: str) -> None:

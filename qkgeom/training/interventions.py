@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from qkgeom.config import InterventionConfig
-from qkgeom.geometry import interaction_singular_values, participation_ratio, singular_values, triangular_factor
+from qkgeom.probing.geometry import interaction_singular_values, participation_ratio, singular_values, triangular_factor
 
 Tensor = torch.Tensor
 # the probe metric each control acts on (a per-head row in geometry.parquet)
@@ -308,3 +308,54 @@ class SpectrumControl:
     def load_state_dict(self, state: dict) -> None:
         self.sv0 = {int(k): v for k, v in state["sv0"].items()}
         self._sv0_all = None
+
+
+# --- causal v3 (issue 30): key-spectrum *shape* at matched logit scale, and a temperature arm -------
+# Pure maps on one layer's heads; the training-loop wiring (running input covariances, the arms of
+# study causal-shape-cpu) builds on them. C is a head input's centred covariance (D, D): the LayerNorm'd
+# residual stream x at the attention block, as the probe batch or a running estimate gives it.
+
+
+def logit_scale(w_q: Tensor, w_k: Tensor, cov_x: Tensor) -> Tensor:
+    """Input-weighted logit scale per head, tr(M C M^T C) with M = W_Q W_K^T / sqrt(E): the expected
+    squared centred logit q.k / sqrt(E) for independent x, x' of covariance C (the per-row logit
+    variance up to centring). w_q, w_k (H, D, E); cov_x (D, D); returns (H,) in float64."""
+    w_q, w_k, c = w_q.to(torch.float64), w_k.to(torch.float64), cov_x.to(torch.float64)
+    m = w_q @ w_k.transpose(-1, -2) / w_q.shape[-1] ** 0.5  # (H, D, D)
+    mc, mtc = m @ c, m.transpose(-1, -2) @ c
+    return (mc * mtc.transpose(-1, -2)).sum((-2, -1))  # tr((M C)(M^T C)) without forming the product
+
+
+def match_logit_scale(w_q: Tensor, w_k: Tensor, cov_x: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+    """W_Q, W_K each rescaled by sqrt(gamma) per head (M by gamma) so that logit_scale = target (H,):
+    gamma = sqrt(target / current). Every singular-value profile keeps its shape."""
+    gamma = (target.to(torch.float64) / logit_scale(w_q, w_k, cov_x)).sqrt()
+    f = gamma.sqrt()[:, None, None]
+    return (w_q.to(torch.float64) * f).to(w_q.dtype), (w_k.to(torch.float64) * f).to(w_k.dtype)
+
+
+def temperature(w_q: Tensor, w_k: Tensor, factor: Tensor | float) -> tuple[Tensor, Tensor]:
+    """The temperature arm: logits times `factor` per head (W_Q, W_K each by sqrt(factor)), no change of
+    shape in any spectrum (W_K, W_Q W_K^T, the key covariance)."""
+    f = torch.as_tensor(factor, dtype=torch.float64).reshape(-1, 1, 1).sqrt()
+    return (w_q.to(torch.float64) * f).to(w_q.dtype), (w_k.to(torch.float64) * f).to(w_k.dtype)
+
+
+def key_shape_map(w_k: Tensor, cov_x: Tensor, target_pr: Tensor, floor: float = 1.5) -> tuple[Tensor, Tensor, Tensor]:
+    """Steer the *activation* PR of the keys, PR(Cov k) with k = x W_K^h, to `target_pr` (H,) per head,
+    queries untouched: with Cov k = V diag(lam) V^T, W_K -> W_K V diag(a) V^T, a = sqrt(lam' / lam), where
+    lam' is the profile of the same total key variance with PR = target (profiles_with_pr on sqrt(lam)).
+    Targets below `floor` are raised to it (a PR of 1 would be the rank-1 clamp of causal-cpu): returns
+    (new W_K, the target used (H,), whether the floor raised it (H,)). Targets above E clip to E."""
+    w = w_k.to(torch.float64)
+    cov_k = w.transpose(-1, -2) @ cov_x.to(torch.float64) @ w  # (H, E, E)
+    lam, v = torch.linalg.eigh(cov_k)
+    lam, v = lam.flip(-1).clamp_min(0), v.flip(-1)  # descending
+    e = lam.shape[-1]
+    want = torch.as_tensor(target_pr, dtype=torch.float64)
+    floored = want < floor
+    used = want.clamp(floor, float(e))
+    lam_new = profiles_with_pr(lam.sqrt(), used) ** 2
+    a = torch.where(lam > 1e-12 * lam[..., :1], (lam_new / lam.clamp_min(1e-300)).sqrt(), torch.ones_like(lam))
+    new = w @ (v * a.unsqueeze(-2)) @ v.transpose(-1, -2)
+    return new.to(w_k.dtype), used, floored

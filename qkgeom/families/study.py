@@ -1,14 +1,14 @@
 """The paper's claim 4 on our own runs: a study whose runs keep log-spaced checkpoints is read as one
 checkpoint family per seed, through the Hugging Face path, and judged across seeds.
 
-    <study>/family/<run_id>/export/step_<n>/   each kept checkpoint as a GPT-2 folder (qkgeom.export)
+    <study>/family/<run_id>/export/step_<n>/   each kept checkpoint as a GPT-2 folder (qkgeom.families.export)
     <study>/family/<run_id>/analysis/          `qkgeom pretrained EXPORT --all-revisions` output
     <study>/family_seeds.csv                   per seed: early / late trends, across-heads correlations
     <study>/family_claims.csv                  the verdict rows (also in claims.csv, study = family)
 
 Per seed (a run): Spearman rho of the paired contrast PR_Q - PR_K (layer mean, token level) against
 log(1 + step) in the early window (step <= early_max_step) and in the late one, and the across-heads
-Spearman rho of interaction rank with attention entropy at every revision (qkgeom.family.family_trends).
+Spearman rho of interaction rank with attention entropy at every revision (qkgeom.families.revisions.family_trends).
 Across seeds: mean, 95% t-interval, mde_80 and a verdict by the sign rule. Both stages resume: a
 revision already analysed (done.json) is skipped.
 """
@@ -22,11 +22,11 @@ import numpy as np
 import pandas as pd
 
 from qkgeom import config as C
-from qkgeom.analysis import CLAIM_COLUMNS, claim_row, seed_row
-from qkgeom.family import family_trends, load_family, run_pretrained
-from qkgeom.pretrained_config import PretrainedConfig
-from qkgeom.results import RunDir, atomic_write_bytes, read_json
-from qkgeom.runs import run_folders
+from qkgeom.analysis.claims import CLAIM_COLUMNS, claim_row, numeric_columns, seed_row
+from qkgeom.analysis.runs import run_folders
+from qkgeom.families.config import PretrainedConfig
+from qkgeom.families.revisions import family_trends, load_family, run_pretrained
+from qkgeom.results import FAMILY_CLAIMS_CSV, FAMILY_SEEDS_CSV, RunDir, read_json, revision_name, write_table
 
 FAMILY_DIR = "family"
 EARLY_MAX_STEP = 1000  # the early window's end (configs/study-family-cpu.toml, pre-registered)
@@ -40,6 +40,11 @@ F4 = "F4 interaction rank vs attention entropy across heads, pooled over revisio
 F5 = "F5 " + HEADS_LINK
 F6 = "F6 late trend of PR_Q - PR_K: " + CONTRAST_TREND
 PER_LAYER = "per layer: " + CONTRAST_TREND
+# analysis v2 (issue 29), not pre-registered for family-cpu: unbounded decay, within-layer link (claim 4b)
+CONTRAST_SLOPE = "OLS slope(PR_Q - PR_K, log step)"
+WITHIN_LAYER_LINK = "Spearman(interaction rank, normalised entropy) across heads within layer"
+F2_SLOPE = "F2u decay, unbounded (analysis v2): early slope - late slope of PR_Q - PR_K on log step"
+F4_WITHIN = "F4w interaction rank vs normalised entropy within layer (analysis v2), pooled over revisions"
 
 
 def family_runs(path: str | Path) -> list[Path]:
@@ -59,14 +64,14 @@ def analyse_families(
 ) -> dict[str, Path]:
     """Export every run's kept checkpoints and analyse each run as a family; {run_id: analysis folder}.
     settings: further PretrainedConfig fields (n_tokens, seq_len, ...; defaults: configs/pretrained.toml)."""
-    from qkgeom.export import export_run
+    from qkgeom.families.export import export_run
 
     out = {}
     for run in family_runs(path):
         base = Path(path) / FAMILY_DIR / run.name
         export, analysis = base / "export", base / "analysis"
         kept = read_json(RunDir(run).config)["kept_checkpoints"]
-        if not all((export / f"step_{s}" / "config.json").is_file() for s in kept):
+        if not all((export / revision_name(s) / "config.json").is_file() for s in kept):
             export_run(run, export)
         pc = PretrainedConfig(model=str(export), all_revisions=True, early_max_step=early_max_step, **settings)
         run_pretrained(pc, analysis, progress=progress, label=run.name)
@@ -105,7 +110,12 @@ def seed_statistics(path: str | Path) -> pd.DataFrame:
 
 
 def _seed_row(v: np.ndarray, claim: str, group: str, win: str, sign: int | None, note: str) -> dict:
-    return seed_row(v, "family", claim, group, win, sign, note, detail=f"per-seed values {np.round(v, 4).tolist()}")
+    """A family claim over per-seed values; F2 (a difference of rhos) on the t scale, the rest as
+    correlations (Fisher z, bounded)."""
+    return seed_row(
+        v, study="family", claim=claim, group=group, window=win, sign=sign, note=note,
+        detail=f"per-seed values {np.round(v, 4).tolist()}", correlation=not claim.startswith("F2"),
+    )  # fmt: skip
 
 
 def family_claims(seeds: pd.DataFrame) -> pd.DataFrame:
@@ -129,10 +139,25 @@ def family_claims(seeds: pd.DataFrame) -> pd.DataFrame:
         joint = "fails" if "fails" in (f1, f2) else "holds" if f1 == f2 == "holds" else "inconclusive"
         detail = f"F1 {f1}, F2 {f2}: holds if both hold, fails if either fails"
         rows.append(
-            claim_row("family", F3, "layer mean", "early vs late", np.nan, n=len(both), detail=detail,
+            claim_row(study="family", claim=F3, group="layer mean", window="early vs late", value=np.nan,
+                      n=len(both), detail=detail,
                       predicted="+", verdict=joint, window_start=windows)
         )  # fmt: skip
         rows.append(_seed_row(both["late"].to_numpy(), F6, "layer mean", "late", None, late_note))
+    slopes = seeds[seeds["statistic"] == CONTRAST_SLOPE]
+    if "slope" in slopes and len(slopes):
+        sm = slopes[slopes["layer"] == "mean"].pivot_table(index="seed", columns="window", values="slope")
+        if {"early", "late"} <= set(sm):
+            d = (sm["early"] - sm["late"]).dropna().to_numpy()
+            rows.append(
+                seed_row(d, study="family", claim=F2_SLOPE, group="layer mean", window="early vs late", sign=+1,
+                         note=f"{early_note} vs {late_note}", detail=f"per-seed values {np.round(d, 4).tolist()}")
+            )  # fmt: skip
+    within = seeds[seeds["statistic"] == WITHIN_LAYER_LINK]
+    within = within[within["step"] > 0] if "step" in within else within.iloc[:0]
+    if len(within):
+        v = within.groupby("seed")["rho"].mean().to_numpy()
+        rows.append(_seed_row(v, F4_WITHIN, "all heads", "revisions after step 0", +1, "layer means removed"))
     heads = seeds[seeds["statistic"] == HEADS_LINK]
     heads = heads[heads["step"] > 0] if "step" in heads else heads.iloc[:0]  # step 0: the random init
     if len(heads):
@@ -145,17 +170,15 @@ def family_claims(seeds: pd.DataFrame) -> pd.DataFrame:
     for (win, layer), g in trend[trend["layer"] != "mean"].groupby(["window", "layer"]):
         note = early_note if win == "early" else late_note
         rows.append(_seed_row(g["rho"].to_numpy(), PER_LAYER, f"layer {layer}", win, None, note))
-    out = pd.DataFrame(rows, columns=CLAIM_COLUMNS)
-    out["mde_80"] = pd.to_numeric(out["mde_80"], errors="coerce")
-    return out
+    return numeric_columns(pd.DataFrame(rows, columns=CLAIM_COLUMNS))
 
 
 def write_family_tables(path: str | Path) -> pd.DataFrame:
     """seed_statistics and family_claims of the families under `path`, written as CSV; the claims."""
     seeds = seed_statistics(path)
     claims = family_claims(seeds)
-    atomic_write_bytes(Path(path) / "family_seeds.csv", seeds.to_csv(index=False).encode())
-    atomic_write_bytes(Path(path) / "family_claims.csv", claims.to_csv(index=False).encode())
+    write_table(path, Path(FAMILY_SEEDS_CSV).stem, seeds)
+    write_table(path, Path(FAMILY_CLAIMS_CSV).stem, claims)
     return claims
 
 

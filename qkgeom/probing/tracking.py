@@ -10,7 +10,7 @@ The folder it writes is a run folder (results.py owns the layout: config.json, o
 probe, consolidated into geometry.parquet and spectra.npz by `finish`, then done.json), so
 `qkgeom analyze`, `qkgeom report` and the claims check read it unchanged, and several such folders
 (seeds of one design) under one parent form a study. The model is any supported Hugging Face model
-(qkgeom.archs: GPT-2, GPT-NeoX, Llama family, ...; its own attention is read through the
+(qkgeom.probing.archs: GPT-2, GPT-NeoX, Llama family, ...; its own attention is read through the
 transformers attention interface, then restored) or a qkgeom GPT (its hook sites). The callbacks in
 qkgeom.integrations are a few lines over this class.
 """
@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from qkgeom import archs
 from qkgeom.errors import QKGeomError
-from qkgeom.probe import nonfinite_weights
+from qkgeom.probing import archs
+from qkgeom.probing.probe import nonfinite_weights
+from qkgeom.probing.scalars import TensorBoardLog
 from qkgeom.results import RunDir, folder_lock, provenance, read_json, write_json
-from qkgeom.scalars import TensorBoardLog
 
 
 class ProbeError(QKGeomError, ValueError):
@@ -97,6 +97,20 @@ def _n_layers(model: nn.Module, kind: str) -> int | None:
     return None  # a capture function's model: known at the first probe
 
 
+def _input_ids(batch: torch.Tensor | dict) -> torch.Tensor:
+    """The probe batch as int64 input ids (B, T); a dict's `input_ids`; anything else refused."""
+    batch = batch["input_ids"] if isinstance(batch, dict) else batch
+    if (
+        not isinstance(batch, torch.Tensor)
+        or batch.dim() != 2
+        or batch.is_floating_point()
+        or batch.is_complex()
+        or batch.dtype == torch.bool
+    ):
+        raise ProbeError("the probe batch must be input ids, an integer tensor (batch, seq_len)")
+    return batch.long()
+
+
 def _model_config(model: nn.Module) -> dict | None:
     config = getattr(model, "config", None)
     if hasattr(config, "to_json_string"):
@@ -118,7 +132,7 @@ class Probe:
     steps: the run's length if known (recorded; `finish` takes the final one). seed, data_seed:
     the run's seeds, as analyze groups runs by them. logit_max_seqs: sequences of the batch whose
     T x T logit spectrum is taken (0 = all). tensorboard: a log dir for the layer-mean scalars
-    (qkgeom.scalars). resume: continue a folder an interrupted run left (probes after the first
+    (qkgeom.probing.scalars). resume: continue a folder an interrupted run left (probes after the first
     step probed again are replaced); without it such a folder is refused. capture: for any other
     model, a function (model, batch) -> {"q", "k", optional "pattern", "w_q", "w_k", "causal"} with
     the shapes of qkgeom.measure (e.g. read with forward hooks); it runs under no_grad in eval mode.
@@ -143,32 +157,31 @@ class Probe:
     ) -> None:
         if every < 1:
             raise ProbeError(f"every must be a positive number of steps, got {every}")
-        batch = batch["input_ids"] if isinstance(batch, dict) else batch
-        if (
-            not isinstance(batch, torch.Tensor)
-            or batch.dim() != 2
-            or batch.is_floating_point()
-            or batch.is_complex()
-            or batch.dtype == torch.bool
-        ):
-            raise ProbeError("the probe batch must be input ids, an integer tensor (batch, seq_len)")
         self.capture = capture
         self.model = _unwrap(model) if capture else readable(model)
         self.kind = "capture" if capture else _kind(self.model)
-        self.batch, self.every, self.log_early = batch.long(), every, log_early
+        self.batch, self.every, self.log_early = _input_ids(batch), every, log_early
         self.logit_max_seqs, self.steps, self.last_step = logit_max_seqs, steps, -1
         self.rd = RunDir(out)
         self.tb = TensorBoardLog(tensorboard) if tensorboard else None  # a missing package: refused before the lock
+        self.info = self._run_info(name, seed, data_seed)
         self._lock = contextlib.ExitStack()
         self._lock.enter_context(folder_lock(self.rd.path))  # also creates the folder
         try:
-            self._check_folder(resume)
+            self._open_folder(resume)
         except BaseException:
             self.close()
             raise
-        self.resuming = resume and self.rd.config.exists()
-        inner = self.model
-        self.info = {
+        self.t0, self.probe_seconds = time.perf_counter(), 0.0
+        self.skipped = ""  # why the last probe due was not taken, if it was not
+
+    def _run_info(self, name: str | None, seed: int, data_seed: int | None) -> dict:
+        """config.json of the run folder: what was probed, how, and the run's seeds (read by analyze)."""
+        inner, batch = self.model, self.batch
+        model_type = {"gpt": "qkgeom-gpt", "capture": "custom (capture function)"}.get(
+            self.kind, getattr(getattr(inner, "config", None), "model_type", None)
+        )
+        return {
             "run_id": self.rd.path.name,
             "source": "qkgeom.Probe",  # not a qkgeom train run: no vocab.json, no checkpoints
             "config": {
@@ -176,9 +189,7 @@ class Probe:
                 "data": {"source": "external", "tokenizer": "external"},
                 "model": {
                     "class": type(inner).__name__,
-                    "model_type": {"gpt": "qkgeom-gpt", "capture": "custom (capture function)"}.get(
-                        self.kind, getattr(getattr(inner, "config", None), "model_type", None)
-                    ),
+                    "model_type": model_type,
                     "n_layers": _n_layers(inner, self.kind),
                     "qk_init": "default",
                     "parameters": sum(p.numel() for p in inner.parameters()),
@@ -186,36 +197,35 @@ class Probe:
                 "train": {
                     "seed": seed,
                     "data_seed": seed if data_seed is None else data_seed,
-                    "steps": steps,
+                    "steps": self.steps,
                     "warmup_steps": 0,
                 },
                 "probe": {
-                    "every": every,
-                    "log_early": log_early,
+                    "every": self.every,
+                    "log_early": self.log_early,
                     "n_seqs": int(batch.shape[0]),
                     "seq_len": int(batch.shape[1]),
-                    "logit_max_seqs": logit_max_seqs,
+                    "logit_max_seqs": self.logit_max_seqs,
                 },
                 "intervention": {"kind": "none"},
             },
             "model_config": _model_config(inner),  # a Hugging Face model's own config, as it would save it
             "probe_tokens": int(batch.numel()),
-            "probe_batch_sha256": hashlib.sha256(self.batch.cpu().numpy().tobytes()).hexdigest(),
+            "probe_batch_sha256": hashlib.sha256(batch.cpu().numpy().tobytes()).hexdigest(),
             "provenance": provenance(),
         }
+
+    def _open_folder(self, resume: bool) -> None:
+        """A new run writes config.json; a resumed one must continue the same run, and a consolidation
+        it was killed in (geometry.parquet written, the parts still there) is split back into parts."""
+        self._check_folder(resume)
+        self.resuming = resume and self.rd.config.exists()
         if self.resuming:
-            try:
-                self._check_same_run(read_json(self.rd.config))
-            except BaseException:
-                self.close()
-                raise
-            # killed while consolidating: geometry.parquet may hold fewer probes than the parts; split it back
+            self._check_same_run(read_json(self.rd.config))
             self.rd.parts_from_files()
         else:
             write_json(self.rd.config, self.info)
         self._metrics_resumed = not self.resuming  # the first metrics row after a resume drops the rows it redoes
-        self.t0, self.probe_seconds = time.perf_counter(), 0.0
-        self.skipped = ""  # why the last probe due was not taken, if it was not
 
     def _check_folder(self, resume: bool) -> None:
         rd = self.rd
@@ -278,8 +288,8 @@ class Probe:
     def measure(self) -> tuple[list[dict], dict]:
         """The geometry rows and spectra of the model now, on the probe batch (nothing written).
         The model's training mode, and a Hugging Face model's attention implementation, are restored."""
-        from qkgeom.pretrained import analyse_model
-        from qkgeom.probe import probe_gpt
+        from qkgeom.probing.hf import analyse_model
+        from qkgeom.probing.probe import probe_gpt
 
         model = self.model
         was_training = model.training
@@ -300,7 +310,7 @@ class Probe:
             model.train(was_training)
 
     def _captured(self, model: nn.Module, batch: torch.Tensor) -> tuple[list[dict], dict]:
-        from qkgeom.probe import activation_geometry
+        from qkgeom.probing.probe import activation_geometry
 
         got = self.capture(model, batch)
         return activation_geometry(

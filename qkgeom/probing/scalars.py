@@ -14,8 +14,8 @@ from typing import Any
 
 import pandas as pd
 
-from qkgeom.archs import one_site
 from qkgeom.errors import QKGeomError
+from qkgeom.probing.archs import one_site
 
 # metric -> what the dashboard calls it (the tag is qkgeom/<metric>, the geometry.parquet name)
 SCALARS = {

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
-from qkgeom.runs import (  # noqa: F401 (the loaders are part of analysis' API: A.load_runs, ...)
+from qkgeom.analysis import stats
+from qkgeom.analysis.runs import (  # noqa: F401 (the loaders are part of analysis' API: A.load_runs, ...)
     RUN_COLUMNS,
     AnalysisError,
     RunWarning,
@@ -27,6 +27,9 @@ from qkgeom.runs import (  # noqa: F401 (the loaders are part of analysis' API: 
 CLAIM_COLUMNS = [
     "study", "claim", "predicted", "group", "window", "value", "ci_low", "ci_high", "n", "seeds_agreeing",
     "interval", "p_value", "verdict", "mde_80", "window_start", "detail",
+    # what an inconclusive row can say (TOST at a pre-registered margin), the small-n exact test, and
+    # the family-wise adjustment over a study's pre-registered primary rows (analysis.claims.adjust_primary)
+    "ci90_low", "ci90_high", "margin", "reading", "p_sign_flip", "p_floor", "primary", "p_holm",
 ]  # fmt: skip
 # Unchanged by W_Q -> W_Q M, W_K -> W_K M^{-T}: attention, scores, W_Q W_K^T and losses. PR_Q, PR_K are not.
 GAUGE_INVARIANT_METRICS = ("attention_entropy", "logit_", "interaction_", "loss")
@@ -97,9 +100,19 @@ def gauge_invariant(claim: str) -> bool:
     return "PR_Q" not in claim and "PR_K" not in claim
 
 
+NUMERIC_COLUMNS = ("mde_80", "ci90_low", "ci90_high", "margin", "p_sign_flip", "p_floor", "p_holm")
+
+
+def numeric_columns(out: pd.DataFrame) -> pd.DataFrame:
+    """The claims table's numeric columns as numbers (rows without a verdict have none: NaN, not "")."""
+    for col in NUMERIC_COLUMNS:
+        if col in out:
+            out[col] = pd.to_numeric(out[col], errors="coerce")
+    return out
+
+
 def _finish(rows: list[dict]) -> pd.DataFrame:
-    out = pd.DataFrame(rows, columns=CLAIM_COLUMNS)
-    out["mde_80"] = pd.to_numeric(out["mde_80"], errors="coerce")  # rows without a verdict have none
+    out = numeric_columns(pd.DataFrame(rows, columns=CLAIM_COLUMNS))
     out["gauge_invariant"] = out["claim"].map(gauge_invariant)
     return out
 
@@ -128,12 +141,25 @@ def _groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return out
 
 
-def claim_row(study, claim, group, win, value, lo=np.nan, hi=np.nan, n=0, p=np.nan, detail="", **extra) -> dict:
+def claim_row(
+    *,
+    study: str,
+    claim: str,
+    group: str,
+    window: str,
+    value: float,
+    lo: float = np.nan,
+    hi: float = np.nan,
+    n: int = 0,
+    p: float = np.nan,
+    detail: str = "",
+    **extra,
+) -> dict:
     """One row of the claims table (CLAIM_COLUMNS); fields not given are empty."""
     row = dict.fromkeys(CLAIM_COLUMNS, "")
-    row.update(study=study, claim=claim, group=group, window=win, value=value, ci_low=lo, ci_high=hi, n=n)
+    row.update(study=study, claim=claim, group=group, window=window, value=value, ci_low=lo, ci_high=hi, n=n)
     row.update(p_value=p, detail=detail, **extra)
-    return row
+    return row  # fmt: skip
 
 
 # The paper's trajectory claims (MISSION.md): name, per-run statistic, predicted sign.
@@ -151,7 +177,8 @@ CORRELATION_CLAIMS = (
     ("key_participation_ratio", "logit_participation_ratio", "PR_K tracks logit-spectrum PR", +1),
     ("interaction_rank", "attention_entropy", "interaction rank tracks attention entropy", +1),
 )
-CO_MOVEMENT = ": Spearman of first differences over probe steps (co-movement)"
+CO_MOVEMENT = ": first-difference r minus its cross-seed surrogate null (co-movement beyond the shared schedule)"
+SPEARMAN_DIFF = ": Spearman of first differences over probe steps (no null; for comparison, not judged)"
 RAW_TREND = ": Spearman over probe steps (raw trend, for comparison; not judged)"
 CONTRAST_CLAIM = "PR_Q - PR_K > 0 at every probe of the window (share of layer trajectories)"
 CONTRAST_HOLDS, CONTRAST_FAILS = 0.9, 0.5  # share of trajectories; see docs/GLOSSARY.md, "Verdicts"
@@ -179,18 +206,100 @@ def per_run_statistics(w: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def seed_row(v: np.ndarray, study: str, claim: str, group: str, win: str, sign: int | None, note: str, **kw) -> dict:
-    """A claims row over per-seed values `v`: mean, 95% t-interval over seeds, mde_80 and (with a
-    predicted sign) the seeds agreeing and the verdict. kw overrides any field (e.g. verdict="")."""
-    lo, hi = stats.t_mean_ci(v)
-    extra = dict(interval="95% t over seeds", mde_80=stats.mde(v), window_start=note) | kw
+def seed_row(
+    v: np.ndarray,
+    *,
+    study: str,
+    claim: str,
+    group: str,
+    window: str,
+    sign: int | None,
+    note: str,
+    margin: float = np.nan,
+    correlation: bool = False,
+    **kw,
+) -> dict:
+    """A claims row over per-seed values `v` (independent units): mean, 95% and 90% t-intervals over
+    seeds, mde_80, the exact sign-flip p with the smallest p n seeds can reach, and (with a predicted
+    sign) the seeds agreeing and the verdict. correlation: `v` are per-seed correlations, averaged
+    through Fisher's z (the interval stays inside (-1, 1)). margin: a pre-registered equivalence
+    margin; an inconclusive row then reads "rules out |effect| >= margin" only if its 90% interval
+    lies inside +-margin (TOST), else "inconclusive, CI [lo, hi]". kw overrides any field."""
+    v = np.asarray(v, float)
+    v = v[np.isfinite(v)]
+    if correlation:
+        value, lo, hi = stats.fisher_z_mean_ci(v)
+        _, lo90, hi90 = stats.fisher_z_mean_ci(v, 0.90)
+        z = np.arctanh(np.clip(v, -0.999999, 0.999999))
+        p, interval = stats.t_test_p(z), "95% t over seeds on Fisher z, back-transformed"
+        equivalent = bool(np.isfinite(margin) and np.isfinite(lo90) and -margin < lo90 and hi90 < margin)
+    else:
+        value = float(np.mean(v)) if len(v) else np.nan
+        lo, hi = stats.t_mean_ci(v)
+        lo90, hi90, equivalent = stats.tost(v, margin if np.isfinite(margin) else 0.0)
+        p, interval = stats.t_test_p(v), "95% t over seeds"
+    p_flip, p_floor = stats.sign_flip_p(v)
+    extra = dict(
+        interval=interval, mde_80=stats.mde(v), window_start=note, ci90_low=lo90, ci90_high=hi90,
+        margin=margin, p_sign_flip=p_flip, p_floor=p_floor,
+    )  # fmt: skip
     if sign is not None:
         agree = f"{int(np.sum(np.sign(v) == sign))}/{len(v)}"
-        verdict = stats.verdict(lo, hi, sign)
-        extra = dict(predicted="+" if sign > 0 else "-", seeds_agreeing=agree, verdict=verdict) | extra
-    p = extra.pop("p_value", stats.t_test_p(v))
-    value = float(np.mean(v)) if len(v) else np.nan
-    return claim_row(study, claim, group, win, value, lo, hi, len(v), p, **extra)
+        extra |= dict(predicted="+" if sign > 0 else "-", seeds_agreeing=agree, verdict=stats.verdict(lo, hi, sign))
+    extra |= kw
+    extra["reading"] = reading(extra.get("verdict", ""), len(v), lo, hi, margin, equivalent, lo90, hi90)
+    p = extra.pop("p_value", p)
+    return claim_row(
+        study=study, claim=claim, group=group, window=window, value=value, lo=lo, hi=hi, n=len(v), p=p, **extra
+    )
+
+
+def reading(
+    verdict: str, n: int, lo: float, hi: float, margin: float, equivalent: bool, lo90: float, hi90: float
+) -> str:
+    """What a judged row may say beyond its verdict: an inconclusive row rules out |effect| >= margin
+    only when equivalence holds (TOST: the 90% interval inside +-margin, margin pre-registered);
+    otherwise it gives its interval and no more."""
+    if not verdict:
+        return ""
+    if n == 0:
+        return "no seed has enough probes in this window: train longer or probe more often"
+    if verdict != "inconclusive":
+        return ""
+    if equivalent:
+        return f"rules out |effect| >= {_g(margin)} (TOST: 90% CI [{_g(lo90)}, {_g(hi90)}] inside +-{_g(margin)})"
+    return f"inconclusive, CI [{_g(lo)}, {_g(hi)}]" if np.isfinite(lo) else "inconclusive, no interval (n < 2)"
+
+
+def _g(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def primary_mask(claims: pd.DataFrame, primary: list[dict]) -> pd.Series:
+    """The rows a pre-registration names primary: each spec {id, claim, group, window} picks the
+    judged row whose claim text starts with `claim` (and whose group / window match, where given)."""
+    hit = pd.Series(False, index=claims.index)
+    for spec in primary:
+        m = claims["claim"].astype(str).str.startswith(spec["claim"]) & (claims["verdict"].astype(str) != "")
+        for key in ("group", "window"):
+            if key in spec:
+                m &= claims[key].astype(str) == spec[key]
+        hit |= m
+    return hit
+
+
+def adjust_primary(claims: pd.DataFrame, primary: list[dict]) -> pd.DataFrame:
+    """Mark a study's pre-registered primary rows (primary_mask; `primary` holds the row's id) and
+    give them Holm-adjusted p over that family (p_holm): the family-wise error of the study's
+    confirmatory claims, whatever their dependence."""
+    out = claims.copy()
+    out["primary"], out["p_holm"] = "", np.nan
+    for spec in primary:
+        out.loc[primary_mask(out, [spec]), "primary"] = spec["id"]
+    rows = out["primary"] != ""
+    if rows.any():
+        out.loc[rows, "p_holm"] = stats.holm(pd.to_numeric(out.loc[rows, "p_value"], errors="coerce").to_numpy())
+    return out
 
 
 def _seed_rows(
@@ -199,7 +308,41 @@ def _seed_rows(
     """Mean over layers and runs per seed, then seed_row (no verdict if not `judged`)."""
     v = per_run.groupby("seed")[column].mean().dropna().to_numpy()
     kw = {} if judged else {"verdict": ""}
-    return seed_row(v, "main", claim, group, win, sign, note, detail=f"per-seed values {np.round(v, 4).tolist()}", **kw)
+    detail = f"per-seed values {np.round(v, 4).tolist()}"
+    correlation = column.startswith(("rho:", "raw:"))
+    return seed_row(
+        v, study="main", claim=claim, group=group, window=win, sign=sign, note=note, detail=detail,
+        correlation=correlation, **kw,
+    )  # fmt: skip
+
+
+def comovement_per_seed(w: pd.DataFrame, x: str, y: str) -> tuple[np.ndarray, float, float]:
+    """Per seed, the co-movement of layer metrics x and y beyond their shared clock: in each
+    (init, depth, layer) cell, at the probe steps every seed of the cell has, the first-difference
+    Pearson r of a seed's own x and y minus the mean r of its x against the other seeds' y
+    (stats.comovement_excess); then the mean over the seed's cells. Also the mean observed and null r."""
+    lm = w[(w["head"] == -1) & w["metric"].isin([x, y])]
+    table = lm.pivot_table(index=["qk_init", "n_layers", "layer", "seed", "step"], columns="metric", values="value")
+    if x not in table or y not in table:
+        return np.array([]), np.nan, np.nan
+    per_seed: dict[int, list[float]] = {}
+    observed, null = [], []
+    for _, cell in table.groupby(level=["qk_init", "n_layers", "layer"]):
+        cell = cell.droplevel(["qk_init", "n_layers", "layer"]).dropna()
+        seeds = sorted(cell.index.get_level_values("seed").unique())
+        steps = set.intersection(*(set(cell.loc[s].index) for s in seeds)) if seeds else set()
+        if len(seeds) < 2 or len(steps) < 5:
+            continue
+        steps = sorted(steps)
+        xs = [cell.loc[s].loc[steps, x].to_numpy() for s in seeds]
+        ys = [cell.loc[s].loc[steps, y].to_numpy() for s in seeds]
+        res = stats.comovement_excess(xs, ys)
+        observed.append(res["observed"])
+        null.append(res["null"])
+        for s, e in zip(seeds, res["per_unit"], strict=True):
+            per_seed.setdefault(int(s), []).append(float(e))
+    v = np.array([stats.finite_mean(e) for _, e in sorted(per_seed.items())])
+    return v, stats.finite_mean(observed), stats.finite_mean(null)
 
 
 def _contrast_row(w: pd.DataFrame, per_run: pd.DataFrame, group: str, win: str, note: str) -> dict:
@@ -218,14 +361,14 @@ def _contrast_row(w: pd.DataFrame, per_run: pd.DataFrame, group: str, win: str, 
     n_seeds, mean = len(v), float(v.mean()) if len(v) else np.nan
     verdict = "holds" if mean >= CONTRAST_HOLDS else "fails" if mean < CONTRAST_FAILS else "inconclusive"
     return claim_row(
-        "main",
-        CONTRAST_CLAIM,
-        group,
-        win,
-        mean,
-        lo,
-        hi,
-        n_seeds,
+        study="main",
+        claim=CONTRAST_CLAIM,
+        group=group,
+        window=win,
+        value=mean,
+        lo=lo,
+        hi=hi,
+        n=n_seeds,
         detail=(
             f"per-seed shares {np.round(v, 3).tolist()}; seed-averaged trajectories positive at every probe: "
             f"{int((traj_min > 0).sum())}/{len(traj_min)}"
@@ -256,7 +399,15 @@ def claims_main(df: pd.DataFrame, windows: tuple[str, ...] = WINDOWS, groups: bo
             for metric, claim, sign in SLOPE_CLAIMS:
                 rows.append(_seed_rows(per_run, f"slope:{metric}", claim, sign, group, win, note))
             for x, y, claim, sign in CORRELATION_CLAIMS:
-                rows.append(_seed_rows(per_run, f"rho:{x}:{y}", claim + CO_MOVEMENT, sign, group, win, note))
+                v, obs, null = comovement_per_seed(g, x, y)
+                detail = f"per-seed excess {np.round(v, 4).tolist()}; mean r {obs:.3f}, surrogate null r {null:.3f}"
+                rows.append(
+                    seed_row(v, study="main", claim=claim + CO_MOVEMENT, group=group, window=win, sign=sign,
+                             note=note, detail=detail)
+                )  # fmt: skip
+                rows.append(
+                    _seed_rows(per_run, f"rho:{x}:{y}", claim + SPEARMAN_DIFF, sign, group, win, note, judged=False)
+                )
                 raw = _seed_rows(per_run, f"raw:{x}:{y}", claim + RAW_TREND, sign, group, win, note, judged=False)
                 rows.append(raw)
     return _finish(rows)
@@ -275,7 +426,8 @@ def _paper_contrast_row(w: pd.DataFrame, win: str, note: str) -> dict:
     share = float(positive.mean()) if len(positive) else np.nan
     verdict = "holds" if share >= CONTRAST_HOLDS else "fails" if share < CONTRAST_FAILS else "inconclusive"
     return claim_row(
-        "main", PAPER_CONTRAST_CLAIM, "all", win, share, n=len(positive), predicted="all > 0", verdict=verdict,
+        study="main", claim=PAPER_CONTRAST_CLAIM, group="all", window=win, value=share,
+        n=len(positive), predicted="all > 0", verdict=verdict,
         seeds_agreeing=f"{int(positive.sum())}/{len(positive)} trajectories", interval="none (seed means)",
         window_start=note, detail=f"over {contrast['seed'].nunique()} seeds",
     )  # fmt: skip

@@ -22,8 +22,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from qkgeom.archs import ADD_ARCH_HINT, ARCHS, PretrainedError, arch_of, check_model_type
-from qkgeom.probe import GeometryAccumulator, nonfinite_weights, weight_geometry
+from qkgeom.probing.archs import ADD_ARCH_HINT, ARCHS, PretrainedError, arch_of, check_model_type
+from qkgeom.probing.probe import GeometryAccumulator, nonfinite_weights, weight_geometry
 
 Tensor = torch.Tensor
 ATTN_IMPL = "qkgeom"

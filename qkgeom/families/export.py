@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from qkgeom.results import EXPORT_INFO, EXPORT_VOCAB, DamagedRunError, RunDir, read_json, write_json
+from qkgeom.results import EXPORT_INFO, EXPORT_VOCAB, DamagedRunError, RunDir, read_json, revision_name, write_json
 
 
 def _check_same_run(rd: RunDir, out: Path) -> None:
@@ -68,7 +68,7 @@ def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
     for ckpt in sorted(rd.checkpoints.glob("*.pt")):
         state = rd.load_checkpoint(ckpt.name)
         step, sd = int(state["step"]), state["model"]
-        target = out / f"step_{step}"
+        target = out / revision_name(step)
         if target in written:  # last.pt is also a kept step
             continue
         if (target / EXPORT_INFO).is_file():  # exported whole by an earlier, interrupted export

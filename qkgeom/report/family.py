@@ -9,15 +9,25 @@ from pathlib import Path
 
 import pandas as pd
 
-from qkgeom import plots
-from qkgeom.report import _figure_html, _png, _write_page
-from qkgeom.results import RunDir, atomic_write_bytes, read_json
+from qkgeom.report import plots
+from qkgeom.report.study import _figure_html, _png, _write_page
+from qkgeom.results import (
+    FAMILY_CLAIMS_CSV,
+    FAMILY_SEEDS_CSV,
+    REPORT_DIR,
+    REVISIONS_CSV,
+    TRENDS_CSV,
+    RunDir,
+    atomic_write_bytes,
+    read_json,
+    write_table,
+)
 
 
 def write_family_report(path: str | Path, early_max_step: int | None = None) -> Path:
     """Tables (revisions.csv, trends.csv, geometry.parquet) and report/index.html of a checkpoint family.
     early_max_step: the early window's end; by default the one the family was analysed with."""
-    from qkgeom.family import family_trends, load_family
+    from qkgeom.families.revisions import family_trends, load_family
 
     path = Path(path)
     geometry, revs = load_family(path)
@@ -25,9 +35,9 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
         first = next(d for d in sorted(path.iterdir()) if RunDir(d).is_done())
         early_max_step = read_json(RunDir(first).config).get("pretrained_config", {}).get("early_max_step", 1000)
     trends = family_trends(geometry, early_max_step)
-    atomic_write_bytes(path / "revisions.csv", revs.to_csv(index=False).encode())
-    atomic_write_bytes(path / "trends.csv", trends.to_csv(index=False).encode())
-    out = path / "report"
+    write_table(path, Path(REVISIONS_CSV).stem, revs)
+    write_table(path, Path(TRENDS_CSV).stem, trends)
+    out = path / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     if len(revs) == 1:
         return _write_model_report(path, geometry, revs)
@@ -65,7 +75,7 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
 
 def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) -> Path:
     """One model (one revision): a headline, a compact per-layer table and the per-head figure."""
-    from qkgeom.family import layer_table, model_headline
+    from qkgeom.families.revisions import layer_table, model_headline
 
     info, rev = revs.iloc[0], revs["revision"].iloc[0]
     name = f"{info['model']}" + (f" @ {rev}" if rev != "main" else "")
@@ -86,15 +96,15 @@ def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) 
 
 def family_study_section(path: str | Path) -> list[str]:
     """A family study's part of the study report: each seed's run read as a checkpoint family
-    (family_study.py), the contrast over steps per layer with the early window marked, the
+    (families/study.py), the contrast over steps per layer with the early window marked, the
     per-revision interaction-rank vs entropy link, and every family row with its interval."""
-    from qkgeom import family_study as FS
+    from qkgeom.families import study as FS
 
     path = Path(path)
-    claims_file = path / "family_claims.csv"
+    claims_file = path / FAMILY_CLAIMS_CSV
     if not claims_file.is_file():
         return []
-    seeds, fam = pd.read_csv(path / "family_seeds.csv"), FS.family_geometry(path)
+    seeds, fam = pd.read_csv(path / FAMILY_SEEDS_CSV), FS.family_geometry(path)
     if seeds.empty or fam.empty:
         return []
     early = int(seeds["early_max_step"].max())

@@ -14,7 +14,7 @@ import pandas as pd  # noqa: E402
 from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
-from qkgeom.archs import one_site  # noqa: E402
+from qkgeom.probing.archs import one_site  # noqa: E402
 
 COLORS = {"query": "tab:blue", "key": "tab:orange"}
 
@@ -403,7 +403,7 @@ def family_seeds_contrast(fam: pd.DataFrame, early_max_step: int) -> Figure:
 def heads_link(fam: pd.DataFrame, seeds: pd.DataFrame, statistic: str) -> Figure:
     """A family study: the across-heads Spearman of interaction rank with attention entropy at each
     revision (per seed and mean with its 95% t-interval), and the per-head scatter at three revisions."""
-    from qkgeom.stats import t_mean_ci
+    from qkgeom.analysis.stats import t_mean_ci
 
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     rho = seeds[(seeds["statistic"] == statistic) & (seeds["step"] > 0)]
@@ -433,5 +433,34 @@ def heads_link(fam: pd.DataFrame, seeds: pd.DataFrame, statistic: str) -> Figure
         ax.set_xlabel("interaction rank (head)")
         ax.set_ylabel("attention entropy (nats)")
         ax.set_title(f"step {step}: heads of every seed (colour: layer)", fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def ladder_slopes(summary: pd.DataFrame, metric: str = "PR_K") -> Figure:
+    """A token ladder (analysis.ladder.local_slope_summary): per layer, the slope of `metric` per
+    doubling of steps in the windows [s/8, s/4], [s/4, s/2], [s/2, s] of each run, against the tokens
+    seen at the window's middle; one line per budget, 95% t-bands over seeds. If the layer profile
+    flips with tokens, the lines continue one another; if it flips with the LR schedule, each budget
+    repeats the same shape at its own scale."""
+    layers = sorted(summary["layer"].unique())
+    fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 3.0), squeeze=False, sharey=True)
+    budgets = sorted(summary["budget_m"].unique())
+    cmap = plt.get_cmap("viridis")
+    for ax, layer in zip(axes[0], layers, strict=True):
+        for i, b in enumerate(budgets):
+            g = summary[(summary["layer"] == layer) & (summary["budget_m"] == b)].sort_values("tokens")
+            color = cmap(i / max(1, len(budgets) - 1))
+            ax.plot(g["tokens"] / 1e6, g["mean"], "o-", color=color, lw=1.5, ms=3, label=f"{b:g} M")
+            ax.fill_between(g["tokens"] / 1e6, g["low"], g["high"], color=color, alpha=0.2, lw=0)
+        ax.axhline(0, color="0.5", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_title(f"layer {layer}")
+        ax.set_xlabel("tokens seen (M)")
+    span = summary["mean"].abs().max()
+    if np.isfinite(span) and span > 0:  # bands at small n can be wide: keep the lines readable
+        axes[0][0].set_ylim(-2 * span, 2 * span)
+    axes[0][0].set_ylabel(f"{metric} slope per doubling of steps")
+    axes[0][-1].legend(title="budget", fontsize=7, title_fontsize=7)
     fig.tight_layout()
     return fig

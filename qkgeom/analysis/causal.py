@@ -22,8 +22,8 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from qkgeom import stats
-from qkgeom.analysis import _finish, claim_row, layer_metric, seed_row, transient_ends, window
+from qkgeom.analysis import stats
+from qkgeom.analysis.claims import _finish, claim_row, layer_metric, seed_row, transient_ends, window
 
 # Pre-registered directions (configs/study-intervention-*.toml, study-causal-cpu.toml): each arm's
 # intended effect on its mediator and predicted effect on attention entropy, by kind.
@@ -72,9 +72,9 @@ def _paired(values: pd.Series, arm: str) -> pd.Series:
     return (wide[arm] - wide["none"]).dropna()
 
 
-def _verdict_row(v: np.ndarray, claim: str, group: str, win: str, sign: int | None, note: str, **kw) -> dict:
+def _verdict_row(v: np.ndarray, *, claim: str, group: str, window: str, sign: int | None, note: str, **kw) -> dict:
     """mean, 95% t-interval over seeds, mde_80 and (with a predicted sign) the verdict."""
-    return seed_row(v, "intervention", claim, group, win, sign, note, **kw)
+    return seed_row(v, study="intervention", claim=claim, group=group, window=window, sign=sign, note=note, **kw)
 
 
 def _direction_row(diffs: pd.Series, claim: str, group: str, win: str, sign: int | None, note: str, verdict=None):
@@ -89,7 +89,7 @@ def _direction_row(diffs: pd.Series, claim: str, group: str, win: str, sign: int
         pd_ = stats.probability_of_direction(v, sign)
         detail = f"sign test p = {p:.3g}; probability of direction {pd_:.3f}; {detail}"
         extra = dict(p_value=p) | (dict(verdict=verdict) if verdict else {})
-    row = _verdict_row(v, claim, group, win, sign, note, detail=detail, **extra)
+    row = _verdict_row(v, claim=claim, group=group, window=win, sign=sign, note=note, detail=detail, **extra)
     row["interval"] = "95% t over seeds (paired)"
     return [row]
 
@@ -165,11 +165,11 @@ def causal_estimates(df: pd.DataFrame, note: str) -> list[dict]:
             rows.append(
                 _verdict_row(
                     v,
-                    name,
-                    group,
-                    "post-transient",
-                    +1,
-                    note,
+                    claim=name,
+                    group=group,
+                    window="post-transient",
+                    sign=+1,
+                    note=note,
                     detail=f"per-seed slopes {np.round(v, 4).tolist()}; {arms} arms each",
                 )
             )
@@ -177,21 +177,21 @@ def causal_estimates(df: pd.DataFrame, note: str) -> list[dict]:
         rows.append(
             _verdict_row(
                 rf,
-                f"reduced form: attention entropy per unit assigned log ratio of {TARGET[on]}",
-                group,
-                "post-transient",
-                +1,
-                note,
+                claim=f"reduced form: attention entropy per unit assigned log ratio of {TARGET[on]}",
+                group=group,
+                window="post-transient",
+                sign=+1,
+                note=note,
                 detail=f"per-seed {np.round(rf, 4).tolist()}",
             )
         )
         first = _verdict_row(
             fs,
-            f"first stage: log {label} per unit assigned log ratio of {TARGET[on]}",
-            group,
-            "post-transient",
-            +1,
-            note,
+            claim=f"first stage: log {label} per unit assigned log ratio of {TARGET[on]}",
+            group=group,
+            window="post-transient",
+            sign=+1,
+            note=note,
             detail=f"per-seed {np.round(fs, 4).tolist()}",
         )
         rows.append(first)
@@ -199,14 +199,14 @@ def causal_estimates(df: pd.DataFrame, note: str) -> list[dict]:
         verdict = stats.verdict(lo, hi, +1)
         rows.append(
             claim_row(
-                "intervention",
-                f"IV: attention entropy per unit log {label} (reduced form / first stage)",
-                group,
-                "post-transient",
-                ratio,
-                lo,
-                hi,
-                len(rf),
+                study="intervention",
+                claim=f"IV: attention entropy per unit log {label} (reduced form / first stage)",
+                group=group,
+                window="post-transient",
+                value=ratio,
+                lo=lo,
+                hi=hi,
+                n=len(rf),
                 predicted="+",
                 verdict=verdict,
                 seeds_agreeing=f"{int(np.sum(np.sign(rf) == np.sign(fs)))}/{len(rf)}",
@@ -354,11 +354,11 @@ def control_rows(df: pd.DataFrame) -> list[dict]:
             active = float((rel.abs() < 1e-6).mean())
             rows.append(
                 claim_row(
-                    "intervention",
-                    f"{arm}: achieved {metric} vs target",
-                    "all controlled heads",
-                    "whole",
-                    err,
+                    study="intervention",
+                    claim=f"{arm}: achieved {metric} vs target",
+                    group="all controlled heads",
+                    window="whole",
+                    value=err,
                     n=len(g),
                     detail=f"{what} over {g['run_id'].nunique()} runs x probes x heads; "
                     f"share of probes at the target (control active) {active:.2f}",

@@ -19,14 +19,14 @@ import torch
 from tqdm.auto import tqdm
 
 from qkgeom import config as C
-from qkgeom import interventions as I
-from qkgeom.data import Vocab, batch_offsets, fixed_offsets, gather, load_corpus
 from qkgeom.errors import QKGeomError
-from qkgeom.geometry import NumericalWarning
-from qkgeom.model import GPT
-from qkgeom.probe import gpt_weights, probe_gpt
-from qkgeom.results import RunDir, folder_lock, provenance, read_json, write_json
-from qkgeom.scalars import TensorBoardLog
+from qkgeom.probing.geometry import NumericalWarning
+from qkgeom.probing.probe import gpt_weights, probe_gpt
+from qkgeom.probing.scalars import TensorBoardLog
+from qkgeom.results import LAST_CHECKPOINT, RunDir, folder_lock, kept_checkpoint, provenance, read_json, write_json
+from qkgeom.training import interventions as I
+from qkgeom.training.data import Vocab, batch_offsets, fixed_offsets, gather, load_corpus
+from qkgeom.training.model import GPT
 
 
 class TrainingError(QKGeomError, RuntimeError):
@@ -145,7 +145,7 @@ def train(
     tensorboard: str | Path | None = None,
 ) -> RunDir:
     """Train (or resume) one run into `run_dir`; returns its RunDir once done.json is written.
-    tensorboard: a log dir for each probe's layer-mean scalars (qkgeom.scalars).
+    tensorboard: a log dir for each probe's layer-mean scalars (qkgeom.probing.scalars).
 
     The folder is locked for the whole run: a second process on it is refused (FolderLockedError).
     """
@@ -367,9 +367,9 @@ class _Run:
             "elapsed": self.clock(),
         }
         if step in self.kept:
-            self.rd.save_checkpoint(state, f"step_{step}.pt")
+            self.rd.save_checkpoint(state, kept_checkpoint(step))
         if step % t.checkpoint_every == 0 or step == t.steps:
-            self.rd.save_checkpoint(state, "last.pt")
+            self.rd.save_checkpoint(state, LAST_CHECKPOINT)
 
     def train_step(self, step: int) -> float:
         """The update at loop index `step` (data and lr are pure functions of it); its loss."""

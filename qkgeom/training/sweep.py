@@ -7,6 +7,11 @@ A sweep file is TOML with three tables::
               within a seed, so that a study run in several sittings completes whole seeds)
     [set]     fixed overrides, e.g. "train.steps" = 100
     [grid]    "model.n_layers" = [4, 6, 8]; "train.seed,train.data_seed" = [[0, 0], [1, 1]]  (zipped keys)
+    [analysis] (optional, a pre-registration's machine-readable part) primary = [{id = "P1", claim = "PR_K
+              shrinks", group = "all", window = "post-transient"}, ...]: the primary family, Holm-adjusted
+              together (analysis.claims.adjust_primary); margin = 0.1: the equivalence margin of TOST;
+              records = "docs/results/<study>": a study that accumulates across sessions (its committed
+              per-run records are skipped, each finished run's record written at once; analysis.records)
 
 ``sweep.json`` (the expanded grid) is written before anything runs. Finished runs (done.json)
 are skipped; a partial run resumes from its checkpoint; a failing run writes error.json and the
@@ -22,6 +27,7 @@ import threading
 import time
 import tomllib
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +51,7 @@ class SweepSpec:
     fixed: dict[str, Any] = field(default_factory=dict)
     grid: dict[str, list] = field(default_factory=dict)
     order: str = "cost"
+    analysis: dict[str, Any] = field(default_factory=dict)
 
 
 SWEEP_ORDERS = ("cost", "seed")
@@ -76,9 +83,14 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
         data = tomllib.loads(p.read_text())
     except tomllib.TOMLDecodeError as e:
         raise SweepError(f"sweep file {p} is not valid TOML: {e}") from None
-    unknown = sorted(set(data) - {"sweep", "set", "grid"})
+    unknown = sorted(set(data) - {"sweep", "set", "grid", "analysis"})
     if unknown or "sweep" not in data:
-        raise SweepError(f"sweep file {p} needs a [sweep] table and only [sweep], [set], [grid] (found {unknown})")
+        raise SweepError(
+            f"sweep file {p} needs a [sweep] table and only [sweep], [set], [grid], [analysis] (found {unknown})"
+        )
+    bad_analysis = sorted(set(data.get("analysis", {})) - {"primary", "margin", "records"})
+    if bad_analysis:
+        raise SweepError(f"unknown key {bad_analysis[0]!r} in [analysis] of {p} (known: primary, margin, records)")
     head = data["sweep"]
     if "kind" in head:  # earlier sweep files: the analysis now reads each run's own config instead
         raise SweepError(f"[sweep] kind in {p} is no longer used (analyze reads each run's config); delete the line")
@@ -103,6 +115,7 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
         fixed=fixed,
         grid=dict(data.get("grid", {})),
         order=head.get("order", "cost"),
+        analysis=dict(data.get("analysis", {})),
     )
     return spec
 
@@ -163,6 +176,7 @@ def write_manifest(spec: SweepSpec, runs: list[RunSpec], out: Path) -> None:
             "base": spec.base,
             "set": spec.fixed,
             "grid": spec.grid,
+            "analysis": spec.analysis,
             "runs": [{"run_id": r.run_id, "overrides": r.overrides, "config": C.to_dict(r.config)} for r in runs],
         },
     )
@@ -171,7 +185,7 @@ def write_manifest(spec: SweepSpec, runs: list[RunSpec], out: Path) -> None:
 def _check_data(runs: list[RunSpec]) -> None:
     """Resolve and encode each distinct corpus once, up front: a missing corpus fails the sweep
     in one line instead of every run, and workers find the encoding cache warm."""
-    from qkgeom.data import load_corpus
+    from qkgeom.training.data import load_corpus
 
     for data_cfg in {r.config.data for r in runs}:
         load_corpus(data_cfg)
@@ -197,7 +211,7 @@ def run_one(cfg_dict: dict[str, Any], run_dir: str, threads: int = 0) -> dict[st
     """Train one run (resuming a partial one); never raises: failures come back as a status."""
     import torch
 
-    from qkgeom.train import train
+    from qkgeom.training.loop import train
 
     if threads:
         torch.set_num_threads(threads)
@@ -288,25 +302,29 @@ def run_sweep(
     executor: str = "local",
     address: str | None = None,
     gpus_per_run: float = 0.0,
+    skip: frozenset[str] | set[str] = frozenset(),
+    on_done: Callable[[str], None] | None = None,
 ) -> SweepResult:
     """Expand, write the manifest, then train every unfinished run in a worker pool.
 
-    The sweep folder is locked while it runs: a second sweep on it is refused (FolderLockedError).
+    skip: run ids to treat as done (e.g. a study's runs whose records are committed); on_done: called
+    with each run id as soon as it finishes (e.g. to write its record). The sweep folder is locked
+    while it runs: a second sweep on it is refused (FolderLockedError).
     """
     out = Path(out)
     runs = expand(spec)
     with folder_lock(out):
-        return _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_run)
+        return _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_run, skip, on_done)
 
 
-def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_run) -> SweepResult:
+def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_run, skip, on_done) -> SweepResult:
     out.mkdir(parents=True, exist_ok=True)
     write_manifest(spec, runs, out)
     result = SweepResult(out)
     _check_data(runs)
     todo = []
     for r in runs:
-        (result.skipped if RunDir(out / r.run_id).is_done() else todo).append(r)
+        (result.skipped if r.run_id in skip or RunDir(out / r.run_id).is_done() else todo).append(r)
     result.skipped = [r.run_id for r in result.skipped]
     todo.sort(key=lambda r: _run_order(spec.order, r))
     workers = workers or default_workers(len(todo))
@@ -316,8 +334,8 @@ def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_r
     # baselines first: a contract/expand run reads its `none` run's finished spectra
     first = [r for r in todo if not r.config.intervention.baseline]
     then = [r for r in todo if r.config.intervention.baseline]
-    statuses = execute(first, out, workers, threads, executor, address, bar, gpus_per_run)
-    statuses += execute(then, out, workers, threads, executor, address, bar, gpus_per_run)
+    statuses = execute(first, out, workers, threads, executor, address, bar, gpus_per_run, on_done)
+    statuses += execute(then, out, workers, threads, executor, address, bar, gpus_per_run, on_done)
     bar.close()
     for s in statuses:
         if s["status"] == "done":
@@ -337,6 +355,7 @@ def execute(
     address: str | None,
     bar: CostBar | None = None,
     gpus_per_run: float = 0.0,
+    on_done: Callable[[str], None] | None = None,
 ) -> list[dict[str, Any]]:
     """Train `todo` through qkgeom.executor; statuses as runs finish (a run whose worker died twice
     gets an error.json)."""
@@ -348,6 +367,8 @@ def execute(
             RunDir(out / run_id).write_error(str(status))
             status = {"run_id": run_id, "status": "failed", "error": str(status), "seconds": 0.0}
         statuses.append(status)
+        if on_done is not None and status["status"] == "done":
+            on_done(run_id)
         if bar is not None:
             bar.update(1, run_id)
     return statuses

@@ -12,6 +12,15 @@
 - spearman:              rank correlation and p-value (scipy.stats.spearmanr).
 - mde:                   minimum detectable effect of a one-sample t-test at a power (noncentral t).
 - fieller_ratio_ci:      Fieller's CI of a ratio of two means over paired units (the IV estimate).
+- tost:                  two one-sided tests of equivalence: the 90% t-interval inside +-margin.
+- fisher_z_mean_ci:      mean of per-seed correlations through Fisher's z, t over seeds, back-transformed
+                         (bounded in (-1, 1), unlike a t-interval on the correlations themselves).
+- sign_flip_p:           exact sign-flip (permutation) p of mean = 0 over n units, and the smallest p
+                         the design can reach (2 / 2^n two-sided): at n <= 5 it says what n can show.
+- comovement_excess:     first-difference correlation of two series per seed minus its cross-seed
+                         surrogate null (seed i's increments of one against seed j's of the other),
+                         which removes what a shared schedule (LR, the training clock) alone gives.
+- holm:                  Holm's step-down adjustment of a family of p-values.
 """
 
 from __future__ import annotations
@@ -225,3 +234,105 @@ def spearman_ci(x: np.ndarray, y: np.ndarray, level: float = 0.95) -> tuple[floa
         return rho, math.nan, math.nan, n
     z, half = math.atanh(min(max(rho, -0.999999), 0.999999)), S.norm.ppf((1 + level) / 2) * math.sqrt(1.06 / (n - 3))
     return rho, math.tanh(z - half), math.tanh(z + half), n
+
+
+def tost(values: np.ndarray, margin: float, level: float = 0.90) -> tuple[float, float, bool]:
+    """Equivalence by two one-sided t-tests at (1 - level) / 2 each: (low, high, equivalent), where
+    (low, high) is the `level` t-interval of the mean and equivalent means it lies inside
+    (-margin, +margin). Only then does a row "rule out |effect| >= margin". NaN/False below n = 2
+    or without a positive margin."""
+    lo, hi = t_mean_ci(values, level)
+    ok = margin > 0 and math.isfinite(lo) and math.isfinite(hi)
+    return lo, hi, bool(ok and -margin < lo and hi < margin)
+
+
+def fisher_z_mean_ci(rhos: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:
+    """(mean, low, high) of per-unit correlations: z = atanh(rho) (rho clipped to +-0.999999, so a
+    seed at the ceiling of 1 stays finite), Student-t interval of the mean z over units, then tanh.
+    The interval always lies inside (-1, 1). NaNs below n = 2 (the mean alone at n = 1)."""
+    r = np.asarray(rhos, float)
+    r = r[np.isfinite(r)]
+    if len(r) == 0:
+        return math.nan, math.nan, math.nan
+    z = np.arctanh(np.clip(r, -0.999999, 0.999999))
+    lo, hi = t_mean_ci(z, level)
+    mean = math.tanh(float(z.mean()))
+    return mean, (math.tanh(lo) if math.isfinite(lo) else math.nan), (math.tanh(hi) if math.isfinite(hi) else math.nan)
+
+
+def sign_flip_p(
+    values: np.ndarray, max_exact: int = 16, n_resamples: int = 20000, seed: int = 0
+) -> tuple[float, float]:
+    """(p, smallest reachable p): two-sided sign-flip test of mean = 0 over independent units,
+    exact (all 2^n sign patterns) up to n = max_exact, Monte Carlo beyond. Under the null each unit's
+    sign is a fair coin; p = share of patterns with |mean| >= the observed |mean|. The smallest p
+    the design can reach is 2 / 2^n (1 / 2^(n-1)): at n = 4 no test can get below 0.125."""
+    v = np.asarray(values, float)
+    v = v[np.isfinite(v)]
+    n = len(v)
+    if n == 0:
+        return math.nan, math.nan
+    obs = abs(v.mean()) - 1e-12 * max(1.0, float(np.abs(v).max()))
+    if n <= max_exact:
+        signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)  # (2^n, n) every pattern
+        means = np.abs(signs @ v) / n
+        return float(np.mean(means >= obs)), float(2.0 / 2**n)
+    rng = np.random.default_rng(seed)
+    signs = rng.choice([-1.0, 1.0], size=(n_resamples, n))
+    return float((1 + np.sum(np.abs(signs @ v) / n >= obs)) / (n_resamples + 1)), float(1.0 / (n_resamples + 1))
+
+
+def comovement_excess(x: list[np.ndarray], y: list[np.ndarray], level: float = 0.95) -> dict[str, float]:
+    """Does y move with x beyond what their shared clock gives? x[i], y[i]: seed i's series at the
+    same probe steps. Per seed, r_ii = corr(diff x_i, diff y_i) (Pearson on first differences); its
+    surrogate null is the mean over j != i of r_ij = corr(diff x_i, diff y_j), which keeps everything
+    the seeds share (the schedule) and breaks only the within-run coupling. Returns the mean observed
+    r, the mean null r, the excess (mean over seeds of r_ii - null_i) with its t-interval over seeds
+    and n. Two uncoupled series driven by one schedule give an excess near 0."""
+    dx = [np.diff(np.asarray(a, float)) for a in x]
+    dy = [np.diff(np.asarray(b, float)) for b in y]
+    n = len(dx)
+    out = dict(observed=math.nan, null=math.nan, excess=math.nan, low=math.nan, high=math.nan, n=n)
+    if n < 2:
+        return out
+
+    def corr(a: np.ndarray, b: np.ndarray) -> float:
+        m = min(len(a), len(b))
+        a, b = a[:m], b[:m]
+        ok = np.isfinite(a) & np.isfinite(b)
+        if ok.sum() < 3 or np.std(a[ok]) == 0 or np.std(b[ok]) == 0:
+            return math.nan
+        return float(np.corrcoef(a[ok], b[ok])[0, 1])
+
+    own = np.array([corr(dx[i], dy[i]) for i in range(n)])
+    null = np.array([finite_mean([corr(dx[i], dy[j]) for j in range(n) if j != i]) for i in range(n)])
+    excess = own - null
+    lo, hi = t_mean_ci(excess, level)
+    return dict(
+        observed=finite_mean(own), null=finite_mean(null), excess=finite_mean(excess),
+        low=lo, high=hi, n=int(np.isfinite(excess).sum()), per_unit=excess,
+    )  # fmt: skip
+
+
+def finite_mean(values) -> float:
+    """Mean of the finite values; NaN (no warning) when there are none."""
+    v = np.asarray(values, float)
+    v = v[np.isfinite(v)]
+    return float(v.mean()) if len(v) else math.nan
+
+
+def holm(pvalues: np.ndarray) -> np.ndarray:
+    """Holm's step-down adjusted p-values (family-wise error control, any dependence); NaNs stay NaN
+    and do not count toward the family's size."""
+    p = np.asarray(pvalues, float)
+    out = np.full_like(p, np.nan)
+    ok = np.flatnonzero(np.isfinite(p))
+    m = len(ok)
+    if m == 0:
+        return out
+    order = ok[np.argsort(p[ok], kind="stable")]
+    running = 0.0
+    for rank, idx in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p[idx]))
+        out[idx] = running
+    return out

@@ -19,9 +19,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from qkgeom import archs, stats
 from qkgeom import config as C
-from qkgeom.pretrained_config import PretrainedConfig
+from qkgeom.analysis import stats
+from qkgeom.families.config import PretrainedConfig
+from qkgeom.probing import archs
 from qkgeom.results import EXPORT_INFO, EXPORT_VOCAB, RunDir, provenance, read_json, write_json
 
 PYTHIA_TOKENS_PER_STEP = 2_097_152  # 1024 sequences x 2048 tokens
@@ -58,7 +59,7 @@ def analyse_revision(
     pc: PretrainedConfig, revision: str | None, out: Path, tokens_fn: TokensFn, progress: bool = False
 ) -> Path:
     """Analyse one revision of pc.model into `out/<revision>/` unless already done; returns the folder."""
-    from qkgeom.pretrained import analyse_model, load_model, resolve_revision, token_batches, weights_digest
+    from qkgeom.probing.hf import analyse_model, load_model, resolve_revision, token_batches, weights_digest
 
     rev = revision or "main"
     rd = RunDir(out / C.safe_name(rev))  # `refs/pr/1` or `../x` stay inside `out` (config.json keeps the name)
@@ -157,7 +158,7 @@ def family_revisions(pc: PretrainedConfig) -> list[str | None]:
 
 def sample_text(pc: PretrainedConfig) -> str:
     """The text to stream: pc.text, or WikiText-2 validation (raw where the mirror has it)."""
-    from qkgeom.data import resolve_source, wikitext_mirror
+    from qkgeom.training.data import resolve_source, wikitext_mirror
 
     if pc.text:
         path = Path(pc.text)
@@ -179,8 +180,8 @@ def run_pretrained(
 ) -> list[Path]:
     """The whole `qkgeom pretrained` job: revisions, text, tokens (the model's own tokenizer, or the
     vocabulary of an exported qkgeom run), then every revision analysed into out/<revision>/."""
-    from qkgeom.data import Vocab
-    from qkgeom.pretrained import text_tokens
+    from qkgeom.probing.hf import text_tokens
+    from qkgeom.training.data import Vocab
 
     text = sample_text(pc)
     cache: dict[str, tuple[np.ndarray, tuple[int, ...]]] = {}
@@ -243,7 +244,7 @@ def load_family(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
         frames.append(g)
         infos.append({k: info.get(k) for k in REVISION_COLUMNS})
     if not frames:
-        from qkgeom.analysis import AnalysisError
+        from qkgeom.analysis.claims import AnalysisError
 
         raise AnalysisError(f"no finished revisions under {path}")
     revs = pd.DataFrame(infos).sort_values("step", na_position="last").reset_index(drop=True)
@@ -253,10 +254,41 @@ def load_family(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return pd.concat(frames, ignore_index=True), revs
 
 
+CONTRAST_SLOPE = "OLS slope(PR_Q - PR_K, log step)"
+WITHIN_LAYER_LINK = "Spearman(interaction rank, normalised entropy) across heads within layer"
+N_PERMUTATIONS = 2000
+
+
+def within_layer_link(ir: pd.Series, entropy: pd.Series, seed: int = 0) -> tuple[float, float, int]:
+    """Claim 4b for one model: Spearman of interaction rank with normalised attention entropy across
+    heads after removing each layer's mean from both (so a depth gradient in both does not count),
+    and its permutation p (entropy shuffled among the heads of each layer; two-sided, N_PERMUTATIONS).
+    ir, entropy: indexed by (layer, head). Returns (rho, p, n)."""
+    both = pd.concat([ir.rename("ir"), entropy.rename("h")], axis=1, join="inner").dropna()
+    if len(both) < 4:
+        return np.nan, np.nan, len(both)
+    layer = both.index.get_level_values(0)
+    centred = both - both.groupby(layer).transform("mean")
+    rho = stats.spearman(centred["ir"].to_numpy(), centred["h"].to_numpy())[0]
+    if not np.isfinite(rho):
+        return rho, np.nan, len(both)
+    rng = np.random.default_rng(seed)
+    h, groups = centred["h"].to_numpy(), [np.flatnonzero(layer == v) for v in np.unique(layer)]
+    null = np.empty(N_PERMUTATIONS)
+    for i in range(N_PERMUTATIONS):
+        perm = h.copy()
+        for idx in groups:
+            perm[idx] = h[rng.permutation(idx)]
+        null[i] = stats.spearman(centred["ir"].to_numpy(), perm)[0]
+    p = (1 + np.sum(np.abs(null) >= abs(rho) - 1e-12)) / (N_PERMUTATIONS + 1)
+    return float(rho), float(p), len(both)
+
+
 def family_trends(geometry: pd.DataFrame, early_max_step: int = 1000) -> pd.DataFrame:
-    """Spearman of the paired contrast with log(1 + step), early (step <= early_max_step) and late,
-    per layer and for the layer mean; plus the across-heads interaction-rank vs entropy
-    correlation at each revision. Uses post-rotary q/k where the model has rotary embeddings."""
+    """Spearman and OLS slope of the paired contrast on log(1 + step), early (step <= early_max_step)
+    and late, per layer and for the layer mean; plus at each revision the across-heads
+    interaction-rank vs entropy correlation, pooled and within layer with its permutation p (claim
+    4b). Uses post-rotary q/k where the model has rotary embeddings."""
     site = "post_rotary" if (geometry["site"] == "post_rotary").any() else "none"
     g = geometry[geometry["step"] >= 0]
     c = g[(g["metric"] == "participation_ratio_contrast") & (g["head"] == -1) & (g["site"] == site)]
@@ -268,7 +300,8 @@ def family_trends(geometry: pd.DataFrame, early_max_step: int = 1000) -> pd.Data
         groups = [(str(layer), x.groupby("step")["value"].mean()) for layer, x in sub.groupby("layer")]
         groups.append(("mean", sub.groupby("step")["value"].mean()))
         for layer, series in groups:
-            rho, p, n = stats.spearman(np.log1p(series.index.to_numpy(float)), series.to_numpy())
+            x, y = np.log1p(series.index.to_numpy(float)), series.to_numpy()
+            rho, p, n = stats.spearman(x, y)
             rows.append(
                 {
                     "statistic": "Spearman(PR_Q - PR_K, log step)",
@@ -278,6 +311,10 @@ def family_trends(geometry: pd.DataFrame, early_max_step: int = 1000) -> pd.Data
                     "p_value": p,
                     "n": n,
                 }
+            )
+            # unbounded: a rank correlation at its ceiling of 1 cannot show a trend that weakens
+            rows.append(
+                {"statistic": CONTRAST_SLOPE, "window": part, "layer": layer, "slope": stats.slope(x, y), "n": n}
             )
     heads = geometry[geometry["head"] >= 0]  # every revision, step-less ones (a single model) included
     for rev, x in heads.groupby("revision"):
@@ -297,6 +334,9 @@ def family_trends(geometry: pd.DataFrame, early_max_step: int = 1000) -> pd.Data
                 "n": n,
             }
         )
+        hn = archs.one_site(x[x["metric"] == "attention_entropy_normalised"]).set_index(["layer", "head"])["value"]
+        rho, p, n = within_layer_link(ir, hn)
+        rows.append({"statistic": WITHIN_LAYER_LINK, "window": rev, "layer": "all", "rho": rho, "p_value": p, "n": n})
     return pd.DataFrame(rows)
 
 

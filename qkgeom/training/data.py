@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from qkgeom.config import DataConfig
+from qkgeom.config import REPO_ROOT, DataConfig
 from qkgeom.errors import QKGeomError
 from qkgeom.results import atomic_write_bytes
 
@@ -50,7 +50,7 @@ def wikitext_mirror() -> Path:
     It holds one folder per corpus name (wikitext-2/{train,valid,test}.txt). Tests, benchmarks
     and CI read the real text through this one setting.
     """
-    default = Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "wikitext"
+    default = REPO_ROOT.parent / "shared" / "data" / "wikitext"
     return Path(os.environ.get("QKGEOM_WIKITEXT_DIR", default))
 
 

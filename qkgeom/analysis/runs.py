@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pandas as pd
 
-from qkgeom.archs import one_site
 from qkgeom.errors import QKGeomError
-from qkgeom.results import RunDir, is_pretrained_output, read_json
+from qkgeom.probing.archs import one_site
+from qkgeom.results import RECORDS_DIR, RunDir, is_pretrained_output, read_json
 
 RUN_COLUMNS = ["run_id", "n_layers", "qk_init", "seed", "data_seed", "intervention", "steps", "warmup_steps"]
 
@@ -32,6 +32,8 @@ def run_folders(path: str | Path) -> list[Path]:
         raise AnalysisError(f"{p} is not a folder")
     if RunDir(p).config.is_file():
         return [p]
+    if (p / RECORDS_DIR).is_dir():  # a committed study: its runs' records (analysis.records)
+        p = p / RECORDS_DIR
     return sorted(d for d in p.iterdir() if d.is_dir() and RunDir(d).is_run())
 
 
@@ -72,15 +74,39 @@ def _flat(cfg: dict, prefix: str = "") -> dict:
     return out
 
 
-def check_one_design(configs: dict[str, dict], path: str | Path) -> None:
-    """Refuse (one line) runs that differ in anything but seeds and study conditions (CONDITION_KEYS,
-    intervention.*): they are not seeds of one design, and pooling them would hide it."""
+# A token ladder's condition: the budget, with the probe and eval intervals scaled to it (analysis.ladder).
+BUDGET_KEYS = ("train.steps", "probe.every", "train.eval_every")
+
+
+def differing_keys(configs: dict[str, dict], allowed: tuple[str, ...] = ()) -> list[str]:
+    """The config keys whose values differ between runs, outside CONDITION_KEYS, intervention.* and `allowed`."""
     flat = {rid: _flat(cfg) for rid, cfg in configs.items()}
     keys = sorted({k for f in flat.values() for k in f})
-    differ = [
+    return [
         k for k in keys
-        if k not in CONDITION_KEYS and not k.startswith("intervention.") and len({f.get(k) for f in flat.values()}) > 1
+        if k not in CONDITION_KEYS + allowed and not k.startswith("intervention.")
+        and len({f.get(k) for f in flat.values()}) > 1
     ]  # fmt: skip
+
+
+def is_ladder(path: str | Path) -> bool:
+    """Whether the finished runs under `path` are a token ladder: one design at several budgets."""
+    configs = {}
+    for d in run_folders(path):
+        if not RunDir(d).is_done():
+            continue
+        try:
+            configs[d.name] = read_json(RunDir(d).config)["config"]
+        except (OSError, ValueError, KeyError):  # a damaged run: the loaders name it and skip it
+            continue
+    return len(configs) > 1 and "train.steps" in differing_keys(configs) and not differing_keys(configs, BUDGET_KEYS)
+
+
+def check_one_design(configs: dict[str, dict], path: str | Path, allowed: tuple[str, ...] = ()) -> None:
+    """Refuse (one line) runs that differ in anything but seeds and study conditions (CONDITION_KEYS,
+    intervention.*, `allowed`): they are not seeds of one design, and pooling them would hide it."""
+    flat = {rid: _flat(cfg) for rid, cfg in configs.items()}
+    differ = differing_keys(configs, allowed)
     if differ:
         shown = "; ".join(f"{k} = {sorted({f.get(k) or '-' for f in flat.values()})}" for k in differ[:3])
         raise AnalysisError(
@@ -89,7 +115,7 @@ def check_one_design(configs: dict[str, dict], path: str | Path) -> None:
         )
 
 
-def _load(path: str | Path, reader) -> pd.DataFrame:
+def _load(path: str | Path, reader, allowed: tuple[str, ...] = ()) -> pd.DataFrame:
     frames, configs = [], {}
     for d in run_folders(path):
         rd = RunDir(d)
@@ -111,10 +137,10 @@ def _load(path: str | Path, reader) -> pd.DataFrame:
         if is_pretrained_output(path):
             raise AnalysisError(
                 f"{path} holds `qkgeom pretrained` results, not training runs: render them with "
-                f"`qkgeom report {path}`, or read them with qkgeom.family.load_family"
+                f"`qkgeom report {path}`, or read them with qkgeom.families.revisions.load_family"
             )
         raise AnalysisError(f"no finished runs under {path}")
-    check_one_design(configs, path)
+    check_one_design(configs, path, allowed)
     return pd.concat(frames, ignore_index=True)
 
 
@@ -133,18 +159,18 @@ def _checked_geometry(rd: RunDir) -> pd.DataFrame:
     return geometry
 
 
-def load_runs(path: str | Path) -> pd.DataFrame:
+def load_runs(path: str | Path, allowed: tuple[str, ...] = ()) -> pd.DataFrame:
     """Tidy geometry rows of every finished run under `path`, with run columns and `progress`.
 
     Columns: run_id, n_layers, qk_init, seed, data_seed, intervention, steps, warmup_steps,
     step, tokens_seen, progress (= step / steps), layer, head, site, metric, value.
     Unfinished or corrupt runs are skipped with a RunWarning naming them.
     """
-    df = _load(path, _checked_geometry)
+    df = _load(path, _checked_geometry, allowed)
     df["progress"] = df["step"] / df["steps"]
     return df
 
 
-def load_metrics(path: str | Path) -> pd.DataFrame:
+def load_metrics(path: str | Path, allowed: tuple[str, ...] = ()) -> pd.DataFrame:
     """metrics.jsonl of every finished run (step, split, loss, ...) with the run columns."""
-    return _load(path, lambda rd: pd.DataFrame(rd.read_metrics()))
+    return _load(path, lambda rd: pd.DataFrame(rd.read_metrics()), allowed)

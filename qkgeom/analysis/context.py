@@ -16,9 +16,9 @@ import pandas as pd
 import torch
 
 from qkgeom import config as C
-from qkgeom.data import DataError, Vocab, load_corpus
-from qkgeom.model import GPT
 from qkgeom.results import RunDir, read_json
+from qkgeom.training.data import DataError, Vocab, load_corpus
+from qkgeom.training.model import GPT
 
 
 @lru_cache(maxsize=8)

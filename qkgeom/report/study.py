@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -19,11 +20,12 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from qkgeom import analysis as A
-from qkgeom import causal, plots
-from qkgeom.context import context_sentence, study_context
-from qkgeom.family_study import FAMILY_DIR, write_family_tables
-from qkgeom.results import RunDir, atomic_write_bytes, read_json
+from qkgeom.analysis import causal
+from qkgeom.analysis import claims as A
+from qkgeom.analysis.context import context_sentence, study_context
+from qkgeom.families.study import FAMILY_DIR, write_family_tables
+from qkgeom.report import plots
+from qkgeom.results import REPORT_INDEX, SWEEP_MANIFEST, RunDir, atomic_write_bytes, read_json, write_table
 
 
 @dataclass
@@ -40,6 +42,13 @@ class Analysis:
     @property
     def is_intervention(self) -> bool:
         return self.geometry["intervention"].nunique() > 1
+
+
+def study_analysis(path: Path) -> dict:
+    """The [analysis] table of the study's pre-registration (primary family, margin), as its sweep
+    manifest recorded it; {} for a folder without one."""
+    sweep = Path(path) / SWEEP_MANIFEST
+    return read_json(sweep).get("analysis", {}) if sweep.is_file() else {}
 
 
 def analyze(path: str | Path) -> Analysis:
@@ -64,12 +73,10 @@ def analyze(path: str | Path) -> Analysis:
     if (path / FAMILY_DIR).is_dir():  # a family study: its runs' checkpoints analysed as families
         parts.append(write_family_tables(path))
     claims = pd.concat(parts, ignore_index=True)
+    claims = A.numeric_columns(A.adjust_primary(claims, study_analysis(path).get("primary", [])))
     tables["verdicts"] = verdicts(claims)
     for name, df in {"summary": traj, "claims": claims, **tables}.items():
-        buf = io.BytesIO()
-        df.to_parquet(buf, index=False)
-        atomic_write_bytes(path / f"{name}.parquet", buf.getvalue())
-        atomic_write_bytes(path / f"{name}.csv", df.to_csv(index=False).encode())
+        write_table(path, name, df, parquet=True)
     return Analysis(path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"))
 
 
@@ -83,30 +90,26 @@ def _fmt(v: float) -> str:
     return "" if pd.isna(v) else f"{v:.3g}"
 
 
-def verdicts(claims: pd.DataFrame) -> pd.DataFrame:
+def verdicts(claims: pd.DataFrame, select: bool = True) -> pd.DataFrame:
     """One line per judged claim: predicted direction, measured effect [95% interval], n, seeds
     agreeing, mde_80 and what an inconclusive verdict rules out, window and verdict. Groups: pooled
     (`all` / `mean over layers`), the relative-depth bands and the causal estimates."""
-    sel = claims[
-        (claims["verdict"] != "") & claims["group"].isin(VERDICT_GROUPS) & claims["window"].isin(VERDICT_WINDOWS)
-    ]
-    # by depth band, the slopes only (the other claims per band stay in the full claims table)
-    sel = sel[~sel["group"].isin(list(A.LAYER_BANDS)) | sel["claim"].str.contains("slope of")]
-    family = claims[(claims["study"] == "family") & claims["claim"].str.match(r"F[1-4] ") & (claims["verdict"] != "")]
-    sel = pd.concat([family, sel])  # a family study's primary claims (family_study.py) lead
+    sel = claims
+    if select:
+        sel = claims[
+            (claims["verdict"] != "") & claims["group"].isin(VERDICT_GROUPS) & claims["window"].isin(VERDICT_WINDOWS)
+        ]
+        # by depth band, the slopes only (the other claims per band stay in the full claims table)
+        sel = sel[~sel["group"].isin(list(A.LAYER_BANDS)) | sel["claim"].str.contains("slope of")]
+        is_family = (claims["study"] == "family") & claims["claim"].str.match(r"F[1-4] ") & (claims["verdict"] != "")
+        sel = pd.concat([claims[is_family], sel])  # a family study's primary claims (families/study.py) lead
     mde = pd.to_numeric(sel.get("mde_80", pd.Series(np.nan, index=sel.index)), errors="coerce")
     interval = [
         "" if pd.isna(lo) else f" [{_fmt(lo)}, {_fmt(hi)}]"
         for lo, hi in sel[["ci_low", "ci_high"]].itertuples(index=False)
     ]
-    reading = [
-        "no seed has enough probes in this window: train longer or probe more often"
-        if n == 0
-        else f"rules out |effect| > {_fmt(m)} (80% power)"
-        if v == "inconclusive" and pd.notna(m)
-        else ""
-        for v, m, n in zip(sel["verdict"], mde, sel["n"], strict=True)
-    ]
+    p_raw = pd.to_numeric(sel["p_value"], errors="coerce")
+    p_holm = pd.to_numeric(sel["p_holm"], errors="coerce") if "p_holm" in sel else pd.Series(np.nan, index=sel.index)
     return pd.DataFrame(
         {
             "claim": sel["claim"],
@@ -118,7 +121,10 @@ def verdicts(claims: pd.DataFrame) -> pd.DataFrame:
             "mde_80": mde.map(_fmt),
             "window": sel["window"],
             "verdict": sel["verdict"],
-            "reading": reading,
+            "primary": sel["primary"] if "primary" in sel else "",
+            "p": p_raw.map(_fmt),
+            "p (Holm, primary)": p_holm.map(_fmt),
+            "reading": sel["reading"] if "reading" in sel else "",
         }
     ).reset_index(drop=True)
 
@@ -146,7 +152,12 @@ def verdicts_html(table: pd.DataFrame) -> str:
 
 def format_verdicts(claims: pd.DataFrame) -> str:
     """The verdict table as aligned text: what `qkgeom study` ends with."""
-    table = verdicts(claims).drop(columns=["reading"])
+    return format_verdict_table(verdicts(claims))
+
+
+def format_verdict_table(table: pd.DataFrame) -> str:
+    """A verdict table (verdicts, verdicts_ladder) as aligned text, without the reading column."""
+    table = table.drop(columns=["reading"])
     with pd.option_context("display.width", 250, "display.max_colwidth", 80, "display.max_rows", 500):
         return "VERDICTS (mde_80: the smallest effect each row could detect)\n" + table.to_string(index=False)
 
@@ -304,7 +315,7 @@ def context_box(a: Analysis) -> list[str]:
     plain statement that the verdicts below check the pipeline, not the science."""
     runs = {rid: _run_dir(a, rid).path for rid in sorted(a.geometry["run_id"].unique())}
     ctx = study_context(runs, a.geometry)
-    sweep = a.path / "sweep.json"
+    sweep = a.path / SWEEP_MANIFEST
     preset = read_json(sweep).get("base", "") if sweep.is_file() else ""
     out = [f"<div class='context'><b>How far training got.</b> {html.escape(context_sentence(ctx))}</div>"]
     if preset in PIPELINE_PRESETS or (ctx["final_valid_loss"] > 0.9 * ctx["unigram_baseline"]).any():
@@ -338,8 +349,8 @@ def _write_page(out: Path, title: str, parts: list[str]) -> Path:
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
         f"<style>{CSS}</style></head><body>{''.join(parts)}</body></html>"
     )
-    atomic_write_bytes(out / "index.html", doc.encode())
-    return out / "index.html"
+    atomic_write_bytes(out / REPORT_INDEX, doc.encode())
+    return out / REPORT_INDEX
 
 
 def write_report(a: Analysis, sections: list[str] = ()) -> Path:
@@ -426,3 +437,114 @@ def _write_run_report(a: Analysis) -> Path:
         parts.append(_figure_html(name, png, cap))
     parts += ["<h2>Provenance</h2>", _provenance(a).to_html(index=False, escape=True)]
     return _write_page(out, f"qkgeom run: {a.path.name}", parts)
+
+
+LADDER_FIGURE = "ladder_key_slopes"
+
+
+def analyze_ladder(path: str | Path) -> tuple[pd.DataFrame, Path]:
+    """A token ladder's claims (analysis.ladder) with the pre-registration's margin and Holm family,
+    written as claims.csv and verdicts.csv beside the runs (or their records), and its report:
+    report/ladder_key_slopes.png and report/index.html. Returns (claims, report page)."""
+    from qkgeom.analysis import ladder as L
+
+    path = Path(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", A.RunWarning)
+        g, m = L.load_ladder(path)
+    pre = study_analysis(path)
+    sweep = path / SWEEP_MANIFEST
+    planned = len(read_json(sweep)["runs"]) if sweep.is_file() else None
+    claims = L.claims_ladder(g, m, float(pre.get("margin", np.nan)), planned)
+    claims = A.numeric_columns(A.adjust_primary(claims, pre.get("primary", [])))
+    table = verdicts_ladder(claims)
+    write_table(path, "claims", claims)
+    write_table(path, "verdicts", table)
+    summary = L.local_slope_summary(L.local_slopes(g))
+    write_table(path, "ladder_key_slopes", summary)
+    out = path / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    png = _png(plots.ladder_slopes(summary))
+    atomic_write_bytes(out / f"{LADDER_FIGURE}.png", png)
+    n_runs = g["run_id"].nunique()
+    skipped = sorted({str(w.message) for w in caught if issubclass(w.category, A.RunWarning)})
+    parts = [
+        f"<h1>token ladder: {html.escape(path.name)}</h1>",
+        f"<p>{n_runs} runs{f' of {planned} planned (interim)' if planned and n_runs < planned else ''}; "
+        f"{g['seed'].nunique()} seeds; budgets {', '.join(f'{b:g}' for b in sorted(g['budget_m'].unique()))} M "
+        "tokens, each with its own warm-up + cosine schedule.</p>",
+        "<h2>Verdicts</h2>",
+        verdicts_html(table),
+        _figure_html(
+            LADDER_FIGURE, png, "PR_K slope per doubling of steps, by layer, against tokens; one line per budget"
+        ),
+        *(f"<p class='warn'>{html.escape(s)}</p>" for s in skipped),
+    ]
+    return claims, _write_page(out, f"ladder {path.name}", parts)
+
+
+def verdicts_ladder(claims: pd.DataFrame) -> pd.DataFrame:
+    """The ladder's verdict table: every judged row (primary first), in the shape of `verdicts`."""
+    sel = claims[claims["verdict"].astype(str) != ""]
+    sel = pd.concat([sel[sel["primary"] != ""], sel[sel["primary"] == ""]])
+    return verdicts(sel, select=False)
+
+
+def primary_spec(results: Path) -> list[dict]:
+    """The primary family of a committed study: its study file's [analysis] (configs/study-<name>.toml
+    for docs/results/study-<name> or docs/results/<name>), else the folder's preregistration.toml."""
+    import tomllib
+
+    from qkgeom.config import CONFIG_DIR
+
+    name = results.name.removeprefix("study-")
+    for f in (CONFIG_DIR / f"study-{name}.toml", results / "preregistration.toml"):
+        if f.is_file():
+            return tomllib.loads(f.read_text()).get("analysis", {}).get("primary", [])
+    return []
+
+
+def verdicts_index(root: str | Path) -> str:
+    """docs/results/VERDICTS.md: every pre-registered primary row of every committed study, with its
+    raw p (as its claims.csv has it), the exact sign-flip p from its committed per-seed values (and
+    the smallest p its n can reach), Holm over the study's primary family, and Holm over every
+    study's primary rows together (the project's whole confirmatory family)."""
+    root = Path(root)
+    found = []
+    for d in sorted(p for p in root.iterdir() if (p / "claims.csv").is_file()):
+        spec = primary_spec(d)
+        if not spec:
+            continue
+        claims = pd.read_csv(d / "claims.csv", keep_default_na=False, na_values=[""])
+        claims["verdict"] = claims["verdict"].fillna("")
+        claims = A.adjust_primary(claims, spec)
+        for spec_row in spec:
+            for r in claims[claims["primary"] == spec_row["id"]].itertuples(index=False):
+                found.append((d.name, spec_row["id"], r))
+    p_all = A.stats.holm(np.array([float(r.p_value) for _, _, r in found]))
+    lines = [
+        "# Pre-registered primary rows of every committed study",
+        "",
+        "Written by `qkgeom verdicts docs/results` from each study's committed claims.csv and the primary",
+        "family its pre-registration names (`[analysis] primary`). p: the row's own test as committed (t-test",
+        "over seeds; the causal rows' sign test). p (sign-flip): exact, from the committed per-seed values;",
+        "floor: the smallest p n seeds can reach. Holm (study): over the study's primary family; Holm (all):",
+        "over every study's primary rows together. A holds/fails verdict whose Holm p is >= 0.05 does not",
+        "survive that correction.",
+        "",
+        "| study | id | claim | group | window | measured [95% CI] | n | verdict | p | p (sign-flip) | floor "
+        "| p (Holm, study) | p (Holm, all) | survives Holm (study / all) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (study, cid, r), p_a in zip(found, p_all, strict=True):
+        ci = f" [{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]" if pd.notna(r.ci_low) else ""
+        seeds = re.search(r"per-seed (?:[a-z]+ )?\[([^\]]*)\]", str(r.detail))
+        v = np.array([float(x) for x in seeds.group(1).split(",")]) if seeds else np.array([])
+        flip, floor = A.stats.sign_flip_p(v) if len(v) else (np.nan, np.nan)
+        judged = r.verdict in ("holds", "fails")
+        survives = "" if not judged else f"{'yes' if r.p_holm < 0.05 else 'no'} / {'yes' if p_a < 0.05 else 'no'}"
+        lines.append(
+            f"| {study} | {cid} | {r.claim} | {r.group} | {r.window} | {_fmt(r.value)}{ci} | {r.n} | {r.verdict} | "
+            f"{_fmt(r.p_value)} | {_fmt(flip)} | {_fmt(floor)} | {_fmt(r.p_holm)} | {_fmt(p_a)} | {survives} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from qkgeom import geometry as G
 from qkgeom.errors import QKGeomError
+from qkgeom.probing import geometry as G
 
 Tensor = torch.Tensor
 ENTROPY_BINS = 1000  # histogram resolution of normalised entropy, for a streaming median
@@ -350,7 +350,7 @@ def activation_geometry(
 
 def gpt_snapshot(model: torch.nn.Module, idx: Tensor) -> QKSnapshot:
     """Run our GPT's explicit attention path on idx (B, T) and capture q, k, pattern per layer."""
-    from qkgeom.hooks import capture
+    from qkgeom.probing.hooks import capture
 
     n = len(model.blocks)
     names = [f"blocks.{i}.attn.hook_{s}" for i in range(n) for s in ("q", "k", "pattern")]

@@ -179,7 +179,7 @@ ARCHS = {
     "opt": Arch("q_proj", "linear", rotary=False),
     "bert": Arch("query", "bert", rotary=False),
 }
-ADD_ARCH_HINT = "add one in qkgeom/archs.py (ARCHS, see Arch) with a parity test in tests/test_pretrained.py"
+ADD_ARCH_HINT = "add one in qkgeom/probing/archs.py (ARCHS, see Arch) with a parity test in tests/test_pretrained.py"
 
 
 def arch_of(model: nn.Module) -> Arch:

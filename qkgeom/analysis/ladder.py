@@ -1,0 +1,217 @@
+"""A token ladder (configs/study-ladder-cpu.toml): one design trained at several token budgets, each
+run with its own full warm-up + cosine schedule, so that a trend across budgets is a trend in tokens
+read at a matched point of the schedule, not the LR decaying inside one run.
+
+Statistics (the pre-registration's, in its words):
+- last-half slope: per run and layer, the OLS slope of a layer-level metric against log2(step) over
+  the probes with step >= steps / 2 (PR per doubling of steps);
+- budget trend: per seed and layer, the OLS slope of those last-half slopes against log2(budget
+  tokens) (per doubling of the budget);
+- decay (claim 4a, unbounded): per run, the layer-mean contrast's slope against log2(step) over
+  steps 1..early_max minus its slope over steps > early_max;
+- local slopes (the figure): the slope against log2(step) in the windows [s/8, s/4], [s/4, s/2] and
+  [s/2, s] of each run, placed at the window's middle token count.
+Across seeds every row goes through claims.seed_row (t-intervals, TOST at the pre-registered margin,
+sign-flip p), and the primary rows L1-L4 through claims.adjust_primary (Holm).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from qkgeom.analysis import stats
+from qkgeom.analysis.claims import LAYER_BANDS, _finish, seed_row
+from qkgeom.analysis.runs import BUDGET_KEYS, load_metrics, load_runs
+
+METRICS = {  # metric -> (short name, the paper's predicted sign of its slope)
+    "key_participation_ratio": ("PR_K", -1),
+    "query_participation_ratio": ("PR_Q", +1),
+    "participation_ratio_contrast": ("PR_Q - PR_K", +1),
+}
+EARLY_MAX_STEP = 1000  # claim 4a's early window: the cpu study's whole 2 M-token horizon
+LOCAL_WINDOWS = ((1 / 8, 1 / 4), (1 / 4, 1 / 2), (1 / 2, 1.0))
+
+
+def load_ladder(path) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Layer-level geometry rows (head = -1) and metrics of a ladder's finished runs, each run's budget
+    in tokens (`budget`, the tokens seen at its last step) and in millions (`budget_m`)."""
+    g = load_runs(path, BUDGET_KEYS)
+    g = g[g["head"] == -1]
+    budget = g.groupby("run_id")["tokens_seen"].max().rename("budget")
+    g = g.join(budget, on="run_id")
+    g["budget_m"] = (g["budget"] / 1e6).round(1)
+    return g, load_metrics(path, BUDGET_KEYS).join(budget, on="run_id")
+
+
+def _slope_log_step(rows: pd.DataFrame) -> float:
+    rows = rows[rows["step"] > 0]
+    return stats.slope(np.log2(rows["step"].to_numpy(float)), rows["value"].to_numpy(float))
+
+
+def last_half_slopes(g: pd.DataFrame) -> pd.DataFrame:
+    """One row per (run, layer, metric): seed, budget, n_layers, slope per doubling of steps over the
+    run's last half."""
+    last = g[(g["step"] >= g["steps"] / 2) & g["metric"].isin(list(METRICS))]
+    keys = ["run_id", "seed", "budget", "budget_m", "n_layers", "layer", "metric"]
+    return last.groupby(keys).apply(_slope_log_step, include_groups=False).rename("slope").reset_index()
+
+
+def budget_trends(slopes: pd.DataFrame) -> pd.DataFrame:
+    """One row per (seed, layer, metric): the slope of the last-half slope against log2(budget)."""
+
+    def trend(rows: pd.DataFrame) -> float:
+        return stats.slope(np.log2(rows["budget"].to_numpy(float)), rows["slope"].to_numpy(float))
+
+    keys = ["seed", "n_layers", "layer", "metric"]
+    return slopes.groupby(keys).apply(trend, include_groups=False).rename("trend").reset_index()
+
+
+def decay(g: pd.DataFrame, early_max: int = EARLY_MAX_STEP) -> pd.DataFrame:
+    """Per run: early and late slopes of the layer-mean contrast against log2(step), and early - late."""
+    c = g[g["metric"] == "participation_ratio_contrast"]
+    mean = c.groupby(["run_id", "seed", "budget", "budget_m", "step"])["value"].mean().reset_index()
+    out = []
+    for (rid, seed, budget, budget_m), rows in mean.groupby(["run_id", "seed", "budget", "budget_m"]):
+        early = _slope_log_step(rows[rows["step"] <= early_max])
+        late = _slope_log_step(rows[rows["step"] > early_max])
+        out.append(dict(run_id=rid, seed=seed, budget=budget, budget_m=budget_m, early=early, late=late))
+    df = pd.DataFrame(out)
+    if len(df):
+        df["decay"] = df["early"] - df["late"]
+    return df
+
+
+def local_slopes(g: pd.DataFrame, metric: str = "key_participation_ratio") -> pd.DataFrame:
+    """Per run and layer, the slope against log2(step) in each LOCAL_WINDOWS window of the run, at the
+    window's middle token count (geometric mean of its ends): the figure's lines, one per budget."""
+    rows = g[g["metric"] == metric]
+    out = []
+    for (_, seed, budget_m, steps, layer), r in rows.groupby(["run_id", "seed", "budget_m", "steps", "layer"]):
+        tokens_per_step = r["tokens_seen"].max() / steps
+        for lo, hi in LOCAL_WINDOWS:
+            w = r[(r["step"] >= lo * steps) & (r["step"] <= hi * steps)]
+            tokens = np.sqrt(lo * hi) * steps * tokens_per_step
+            out.append(dict(seed=seed, budget_m=budget_m, layer=layer, tokens=tokens, slope=_slope_log_step(w)))
+    return pd.DataFrame(out)
+
+
+def _rows(v: pd.Series, **kw) -> dict:
+    return seed_row(
+        v.dropna().to_numpy(float), study="ladder", detail=f"per-seed {np.round(v.to_numpy(), 4).tolist()}", **kw
+    )
+
+
+def claims_ladder(g: pd.DataFrame, metrics: pd.DataFrame, margin: float, planned: int | None = None) -> pd.DataFrame:
+    """The ladder's claims table: primary L1-L4, secondary S1-S3 (the pre-registration's ids)."""
+    slopes, rows = last_half_slopes(g), []
+    trends = budget_trends(slopes)
+    n_runs, n_layers = g["run_id"].nunique(), int(g["n_layers"].max())
+    budgets = sorted(slopes["budget_m"].unique())
+    top = budgets[-1]
+    state = f"{n_runs} of {planned} planned runs" if planned else f"{n_runs} runs"
+    interim = bool(planned and n_runs < planned)
+    note = f"last half of each run; budgets {', '.join(f'{b:g}' for b in budgets)} M tokens; {state}"
+    trend_win = "last half; trend over log2 budget"
+    key = trends[trends["metric"] == "key_participation_ratio"]
+    for cid, layer, sign, what in (("L1", 0, +1, "first"), ("L2", n_layers - 1, -1, "last")):
+        v = key[key["layer"] == layer].set_index("seed")["trend"]
+        rows.append(
+            _rows(
+                v,
+                claim=f"{cid} {what}-layer PR_K last-half slope: trend across budgets (per doubling)",
+                group=f"layer {layer}",
+                window=trend_win,
+                sign=sign,
+                note=note,
+                margin=margin,
+            )
+        )
+    top_slopes = slopes[(slopes["budget_m"] == top) & (slopes["metric"] == "key_participation_ratio")]
+    v = top_slopes.groupby("seed")["slope"].mean()
+    rows.append(
+        _rows(
+            v,
+            claim=f"L3 PR_K shrinks at {top:g} M tokens: layer-mean last-half slope (per doubling)",
+            group="mean over layers",
+            window=f"last half, {top:g} M",
+            sign=-1,
+            note=note,
+            margin=margin,
+        )
+    )
+    d = decay(g)
+    if len(d):
+        v = d[d["budget_m"] == top].set_index("seed")["decay"]
+        rows.append(
+            _rows(
+                v,
+                claim=f"L4 early trend that decays at {top:g} M: contrast slope early - late (per doubling)",
+                group="mean over layers",
+                window=f"steps <= {EARLY_MAX_STEP} vs later",
+                sign=+1,
+                note=note,
+                margin=margin,
+            )
+        )
+    for budget in budgets:  # S1: claim 1 per band and budget
+        at = slopes[slopes["budget_m"] == budget]
+        for band, pick in LAYER_BANDS.items():
+            sel = at[[pick(layer, n) for layer, n in zip(at["layer"], at["n_layers"], strict=True)]]
+            for metric, (short, sign) in METRICS.items():
+                v = sel[sel["metric"] == metric].groupby("seed")["slope"].mean()
+                if len(v):
+                    rows.append(
+                        _rows(
+                            v,
+                            claim=f"S1 {short} last-half slope (per doubling)",
+                            group=band,
+                            window=f"last half, {budget:g} M",
+                            sign=sign,
+                            note=note,
+                            margin=margin,
+                        )
+                    )
+    for metric in ("query_participation_ratio", "participation_ratio_contrast"):  # S2: no prediction
+        for layer, t in trends[trends["metric"] == metric].groupby("layer"):
+            rows.append(
+                _rows(
+                    t.set_index("seed")["trend"],
+                    claim=f"S2 {METRICS[metric][0]} last-half slope: trend across budgets",
+                    group=f"layer {layer}",
+                    window=trend_win,
+                    sign=None,
+                    note=note,
+                    margin=margin,
+                )
+            )
+    valid = metrics[metrics["split"] == "valid"]
+    final = valid[valid["step"] == valid["steps"]]
+    for budget, f in final.groupby("budget"):  # S3: context
+        rows.append(
+            _rows(
+                f.set_index("seed")["loss"],
+                claim="S3 final validation loss (nats per character)",
+                group="all",
+                window=f"final, {budget / 1e6:.1f} M",
+                sign=None,
+                note=note,
+            )
+        )
+    out = _finish(rows)
+    if interim:
+        judged = out["verdict"].astype(str) != ""
+        out.loc[judged, "reading"] = (f"interim ({state}): " + out.loc[judged, "reading"].astype(str)).str.rstrip(": ")
+    return out
+
+
+def local_slope_summary(local: pd.DataFrame) -> pd.DataFrame:
+    """Mean and 95% t-interval over seeds of local_slopes, per (layer, budget, window): the figure's
+    points and bands."""
+    out = []
+    for (layer, budget_m, tokens), g in local.groupby(["layer", "budget_m", "tokens"]):
+        v = g["slope"].to_numpy(float)
+        lo, hi = stats.t_mean_ci(v)
+        out.append(dict(layer=layer, budget_m=budget_m, tokens=tokens, mean=stats.finite_mean(v), low=lo, high=hi,
+                        n=int(np.isfinite(v).sum())))  # fmt: skip
+    return pd.DataFrame(out)

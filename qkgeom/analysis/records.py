@@ -1,0 +1,115 @@
+"""Compact study records: what a committed study keeps of each run, so that its verdicts can be
+re-derived and re-analysed after the run folders are gone (they are not kept between sessions).
+
+A record is a slim run folder under ``docs/results/<study>/runs/<run_id>/`` (results.RECORDS_DIR):
+
+    config.json       the resolved config + provenance (code commit, dirty flag, versions) as the run
+                      wrote it, plus ``record``: the corpus sha256 and what was thinned
+    geometry.parquet  every probe's rows (step, tokens_seen, layer, head, site, metric, value), zstd
+    metrics.jsonl     every validation row; training rows thinned to at most RECORD_TRAIN_ROWS
+    vocab.json, done.json
+
+Spectra and checkpoints are dropped (they are what makes a run folder 10 MB). Because a record is a
+run folder, every reader (load_runs, analyze, report) reads it unchanged: ``qkgeom analyze
+docs/results/<study>`` finds the records under runs/ and rewrites claims.csv and verdicts.csv
+byte-identical (tests/test_records.py).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from pathlib import Path
+
+import pandas as pd
+
+from qkgeom.results import RECORDS_DIR, RunDir, atomic_write_bytes, read_json, write_json
+from qkgeom.training.data import file_digest, resolve_source
+
+RECORD_TRAIN_ROWS = 200  # training-loss rows kept per run: a loss curve, not every step
+
+
+def _thin_metrics(rows: list[dict]) -> list[dict]:
+    train = [r for r in rows if r.get("split") == "train"]
+    every = max(1, -(-len(train) // RECORD_TRAIN_ROWS))
+    last = train[-1]["step"] if train else None
+    return [
+        r for r in rows
+        if r.get("split") != "train" or r["step"] % every == 0 or r["step"] == last
+    ]  # fmt: skip
+
+
+def corpus_digest(config: dict) -> str | None:
+    """sha256 over the corpus' train/valid/test files, or None where the corpus is not on this machine."""
+    try:
+        root = resolve_source(config["data"]["source"])
+    except Exception:  # noqa: BLE001 - a record of a run whose corpus is elsewhere still gets written
+        return None
+    parts = [
+        file_digest(root / f"{split}.txt") for split in ("train", "valid", "test") if (root / f"{split}.txt").is_file()
+    ]
+    return "sha256:" + "|".join(parts) if parts else None
+
+
+def write_record(run: str | Path, dest: str | Path) -> Path:
+    """The record of a finished run under `dest`/<run_id>/ (replaced whole if present). Returns it."""
+    rd = RunDir(run)
+    if not rd.is_done():
+        raise FileNotFoundError(f"{rd.path} is not a finished run (no done.json): no record written")
+    out = RunDir(Path(dest) / rd.path.name)
+    tmp = RunDir(Path(dest) / f".{rd.path.name}.tmp")
+    shutil.rmtree(tmp.path, ignore_errors=True)
+    tmp.path.mkdir(parents=True)
+    info = read_json(rd.config)
+    rows = rd.read_metrics()
+    kept = _thin_metrics(rows)
+    info["record"] = {
+        "data_sha256": corpus_digest(info.get("config", {})),
+        "metrics_rows": {"kept": len(kept), "of": len(rows), "train_rows_at_most": RECORD_TRAIN_ROWS},
+        "dropped": ["spectra.npz", "checkpoints/"],
+    }
+    write_json(tmp.config, info)
+    buf = io.BytesIO()
+    pd.read_parquet(rd.geometry).to_parquet(buf, index=False, compression="zstd")
+    atomic_write_bytes(tmp.geometry, buf.getvalue())
+    atomic_write_bytes(tmp.metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
+    if rd.vocab.is_file():
+        shutil.copyfile(rd.vocab, tmp.vocab)
+    shutil.copyfile(rd.done, tmp.done)  # last: a record with done.json is whole
+    if out.path.exists():
+        shutil.rmtree(out.path)
+    tmp.path.rename(out.path)
+    return out.path
+
+
+def record_study(runs: str | Path, results: str | Path) -> list[Path]:
+    """A record under `results`/runs/ for every finished run under `runs` not recorded yet."""
+    dest = Path(results) / RECORDS_DIR
+    written = []
+    for d in sorted(Path(runs).iterdir()):
+        if d.is_dir() and RunDir(d).is_done() and not (dest / d.name / "done.json").is_file():
+            written.append(write_record(d, dest))
+    return written
+
+
+def recorded_runs(results: str | Path) -> set[str]:
+    """The run ids whose records are in `results`/runs/ (a study skips them)."""
+    dest = Path(results) / RECORDS_DIR
+    return {d.name for d in dest.iterdir() if (d / "done.json").is_file()} if dest.is_dir() else set()
+
+
+def measured_seconds(results: str | Path) -> dict[tuple[int, int], float]:
+    """Seconds per training step measured in the recorded runs (done.json elapsed / steps), by
+    (n_layers, tokens per step): what `qkgeom study --dry-run` estimates the rest from."""
+    dest = Path(results) / RECORDS_DIR
+    seen: dict[tuple[int, int], list[float]] = {}
+    for d in sorted(dest.iterdir()) if dest.is_dir() else []:
+        rd = RunDir(d)
+        if not rd.is_done():
+            continue
+        info, done = read_json(rd.config), read_json(rd.done)
+        m, t = info["config"]["model"], info["config"]["train"]
+        if done.get("elapsed") and done.get("step"):
+            seen.setdefault((m["n_layers"], t["batch_size"] * m["n_ctx"]), []).append(done["elapsed"] / done["step"])
+    return {k: sum(v) / len(v) for k, v in seen.items()}

@@ -1,0 +1,58 @@
+"""records: a committed study's per-run records re-derive its verdicts byte for byte, and a record
+analyses like the run folder it came from."""
+
+import shutil
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from qkgeom.analysis.records import recorded_runs, write_record
+from qkgeom.cli import main
+from tests.conftest import REPO, tiny_config
+
+COMMITTED = REPO / "docs" / "results" / "ladder-cpu"
+
+
+def test_a_committed_study_reanalyses_byte_identical(tmp_path, capsys):
+    """`qkgeom analyze docs/results/ladder-cpu` from the records alone rewrites the committed
+    claims.csv and verdicts.csv exactly: every committed verdict is re-derivable."""
+    if not (COMMITTED / "runs").is_dir():
+        pytest.skip("no committed ladder records")
+    copy = tmp_path / "ladder-cpu"
+    shutil.copytree(COMMITTED / "runs", copy / "runs")
+    shutil.copy(COMMITTED / "sweep.json", copy / "sweep.json")
+    assert main(["analyze", str(copy)]) == 0, capsys.readouterr().err
+    for name in ("claims.csv", "verdicts.csv", "ladder_key_slopes.csv"):
+        assert (copy / name).read_bytes() == (COMMITTED / name).read_bytes(), name
+    claims = pd.read_csv(copy / "claims.csv")
+    assert sorted(claims.loc[claims["primary"].notna(), "primary"]) == ["L1", "L2", "L3", "L4"]
+
+
+@pytest.mark.usefixtures("wikitext")
+def test_a_record_is_a_slim_run_folder_that_analyses_the_same(tmp_path):
+    from qkgeom.report.study import analyze
+    from qkgeom.training.loop import train
+
+    for seed in (0, 1):
+        train(tiny_config(train={"steps": 12, "seed": seed}), tmp_path / "runs" / f"s{seed}", progress=False)
+    for seed in (0, 1):
+        rec = write_record(tmp_path / "runs" / f"s{seed}", tmp_path / "study" / "runs")
+        assert sorted(p.name for p in rec.iterdir()) == [
+            "config.json", "done.json", "geometry.parquet", "metrics.jsonl", "vocab.json"
+        ]  # fmt: skip
+    assert recorded_runs(tmp_path / "study") == {"s0", "s1"}
+    full, slim = analyze(tmp_path / "runs").claims, analyze(tmp_path / "study").claims
+    pd.testing.assert_frame_equal(full, slim)
+    with pytest.raises(FileNotFoundError, match="not a finished run"):
+        (tmp_path / "runs" / "s0" / "done.json").unlink()
+        write_record(tmp_path / "runs" / "s0", Path(tmp_path / "study" / "runs"))
+
+
+def test_the_verdicts_index_matches_the_committed_csvs():
+    """docs/results/VERDICTS.md is what `qkgeom verdicts` derives from the committed claims.csv files
+    and pre-registrations today: a changed CSV or statistic without a rewritten index fails here."""
+    from qkgeom.report.study import verdicts_index
+
+    root = REPO / "docs" / "results"
+    assert verdicts_index(root) == (root / "VERDICTS.md").read_text()
