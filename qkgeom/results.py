@@ -74,12 +74,15 @@ def revision_name(step: int) -> str:
 
 
 def write_table(folder: Path, name: str, df: pd.DataFrame, parquet: bool = False) -> Path:
-    """`df` as folder/name.csv (and name.parquet if asked), each written atomically; returns the CSV."""
+    """`df` as folder/name.csv (floats to 12 significant digits) and name.parquet if asked, each written
+    atomically; returns the CSV's path."""
     if parquet:
         buf = io.BytesIO()
         df.to_parquet(buf, index=False)
         atomic_write_bytes(Path(folder) / f"{name}.parquet", buf.getvalue())
-    atomic_write_bytes(Path(folder) / f"{name}.csv", df.to_csv(index=False).encode())
+    # 12 significant digits: a table re-derived on another CPU (another SIMD summation order) is the
+    # same file; the parquet copy keeps every bit
+    atomic_write_bytes(Path(folder) / f"{name}.csv", df.to_csv(index=False, float_format="%.12g").encode())
     return Path(folder) / f"{name}.csv"
 
 
