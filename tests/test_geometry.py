@@ -1,6 +1,7 @@
 """geometry: every definition against analytic answers."""
 
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -238,3 +239,53 @@ def test_solve_together_fills_the_same_eigenvalues_as_one_by_one():
     G.solve_together(accs)
     for acc, r in zip(accs, ref, strict=True):
         assert acc._eig is not None and torch.allclose(acc.eigenvalues(), r, rtol=1e-12, atol=1e-14)
+
+
+def test_power_law_alpha_equals_the_powerlaw_package():
+    """The same Clauset fit as powerlaw 2.0.0 (the field's reference, and WeightWatcher's engine),
+    with its alpha range opened to (1, inf) as WeightWatcher reads it: alpha, xmin, tail and KS equal."""
+    import powerlaw
+
+    rng = np.random.default_rng(0)
+    for t in range(4):
+        w = rng.standard_t(3, size=(256, 64)) if t % 2 else rng.normal(size=(200, 80))
+        ev = np.linalg.eigvalsh(w.T @ w)
+        ours = G.power_law_alpha(ev, min_tail=2)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ref = powerlaw.Fit(ev, discrete=False, verbose=False, parameter_ranges={"alpha": [1, None]})
+        assert ours["alpha"] == pytest.approx(ref.alpha, rel=1e-9) and ours["xmin"] == ref.xmin
+        assert ours["n_tail"] == ref.n_tail and ours["ks_distance"] == pytest.approx(ref.D, rel=1e-9)
+
+
+def test_power_law_alpha_recovers_a_planted_exponent():
+    """Pareto samples with density ~ x^-2.5 (alpha 2.5): the MLE's standard error is (alpha - 1) / sqrt(n)."""
+    rng = np.random.default_rng(1)
+    x = rng.pareto(1.5, 3000) + 1.0  # numpy's pareto(a): density ~ x^-(a + 1)
+    fit = G.power_law_alpha(x)
+    se = (fit["alpha"] - 1) / np.sqrt(fit["n_tail"])
+    assert abs(fit["alpha"] - 2.5) < 3 * se and fit["n_tail"] > 1000 and fit["reason"] == ""
+
+
+def test_power_law_alpha_gives_a_reason_instead_of_a_number():
+    assert G.power_law_alpha(np.array([1.0, np.nan, 2.0]))["reason"] == "non-finite values"
+    assert G.power_law_alpha(np.array([1.0, np.inf]))["reason"] == "non-finite values"
+    assert G.power_law_alpha(np.zeros(16))["reason"] == "all-zero matrix"
+    rank_one = np.linalg.eigvalsh(np.outer(np.arange(1.0, 9), np.arange(1.0, 9)))
+    assert G.power_law_alpha(rank_one)["reason"] == "rank one"
+    few = G.power_law_alpha(np.linspace(1, 2, 8))
+    assert np.isnan(few["alpha"]) and few["reason"].startswith("fewer than 10 eigenvalues")
+
+
+def test_the_two_pr_conventions_on_analytic_cases():
+    flat = torch.ones(3, 6)
+    for conv in G.PR_CONVENTIONS:  # k equal values: PR = k under both
+        torch.testing.assert_close(G.participation_ratio_as(flat, conv), torch.full((3,), 6.0, dtype=torch.float64))
+    sigma = torch.tensor([2.0, 1.0])
+    assert float(G.participation_ratio_as(sigma**2, "variance")) == pytest.approx(25 / 17)
+    assert float(G.participation_ratio_as(sigma**2, "singular")) == pytest.approx(9 / 5)
+    rng = torch.Generator().manual_seed(0)
+    lam = torch.rand(50, 8, generator=rng, dtype=torch.float64) ** 3
+    assert (G.participation_ratio_as(lam, "singular") >= G.participation_ratio_as(lam, "variance") - 1e-12).all()
+    with pytest.raises(ValueError, match="allowed: variance, singular"):
+        G.participation_ratio_as(lam, "eigen")

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 Tensor = torch.Tensor
@@ -343,3 +344,65 @@ def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     unit = scores.div_(scale)
     ev = robust_eigvalsh(unit.transpose(-1, -2) @ unit, fast=True, what="logit spectrum")
     return ev.flip(-1).clamp_min(0).sqrt() * scale[..., 0].to(torch.float64)
+
+
+ALPHA_MIN_TAIL = 10  # eigenvalues the power-law tail must hold for alpha to be reported
+
+
+def power_law_alpha(eigenvalues: np.ndarray | Tensor, min_tail: int = ALPHA_MIN_TAIL) -> dict:
+    """Heavy-tail exponent alpha of an eigenvalue spectrum (e.g. of W^T W), as WeightWatcher and the
+    `powerlaw` package fit it (Clauset, Shalizi & Newman 2009): for each candidate xmin among the
+    distinct eigenvalues, the continuous maximum-likelihood alpha = 1 + n / sum(ln(x_i / xmin)) over
+    the n eigenvalues >= xmin, and the Kolmogorov-Smirnov distance D between the tail's empirical CDF
+    (0, 1/n, ..., (n-1)/n at the sorted values) and 1 - (x / xmin)^(1 - alpha); the xmin of least D
+    wins. Range alpha > 1; heavier tails have smaller alpha (WeightWatcher reads 2-6 as trained).
+
+    With min_tail = 2 this is exactly powerlaw 2.0.0's `Fit(x, discrete=False, parameter_ranges={"alpha":
+    [1, None]})` (tests/test_geometry.py); powerlaw's own default only accepts fits with alpha < 3,
+    which would hide the alphas of 4-8 that trained weights often show.
+
+    Returns {alpha, xmin, n_tail, ks_distance, reason}: alpha is NaN, with the reason, for a spectrum
+    with non-finite values, an all-zero or rank-one matrix, or no candidate with >= min_tail tail
+    eigenvalues; never a number from too few points."""
+    x = np.asarray(eigenvalues.detach().cpu().numpy() if isinstance(eigenvalues, Tensor) else eigenvalues, float)
+    out = dict(alpha=math.nan, xmin=math.nan, n_tail=0, ks_distance=math.nan, reason="")
+    if not np.isfinite(x).all():
+        return out | dict(reason="non-finite values")
+    x = np.sort(x[x > 0])
+    top = x[-1] if len(x) else 0.0
+    x = x[x > top * 1e-12]  # numerically zero eigenvalues are no part of a spectrum
+    if len(x) == 0:
+        return out | dict(reason="all-zero matrix")
+    if len(x) == 1:
+        return out | dict(reason="rank one")
+    best = None
+    for xmin in np.unique(x)[:-1]:
+        tail = x[x >= xmin]
+        n = len(tail)
+        if n < min_tail:
+            break  # x is sorted: later candidates have shorter tails
+        logs = np.log(tail / xmin)
+        if logs.sum() <= 0:
+            continue
+        alpha = 1.0 + n / logs.sum()
+        ks = float(np.max(np.abs(np.arange(n) / n - (1.0 - (tail / xmin) ** (1.0 - alpha)))))
+        if best is None or ks < best[3]:
+            best = (alpha, float(xmin), n, ks)
+    if best is None:
+        return out | dict(reason=f"fewer than {min_tail} eigenvalues in any tail ({len(x)} non-zero)")
+    return dict(alpha=float(best[0]), xmin=best[1], n_tail=int(best[2]), ks_distance=best[3], reason="")
+
+
+PR_CONVENTIONS = ("variance", "singular")
+
+
+def participation_ratio_as(variances: Tensor, convention: str = "variance") -> Tensor:
+    """PR of a spectrum given as variances lam = sigma^2 (covariance eigenvalues, or squared singular
+    values), under a convention: `variance` (qkgeom's), (sum lam)^2 / sum lam^2; `singular` (public
+    Pythia weight-evolution datasets, a key-PR-during-training study), (sum sigma)^2 / sum sigma^2.
+    Both lie in [1, d] and equal k for k equal values; otherwise singular >= variance (e.g. sigma =
+    (2, 1): 1.8 against 25 / 17 = 1.47). (..., d) -> (...)."""
+    if convention not in PR_CONVENTIONS:
+        raise ValueError(f"PR convention {convention!r}; allowed: {', '.join(PR_CONVENTIONS)}")
+    lam = variances.to(torch.float64).clamp_min(0)
+    return participation_ratio(lam if convention == "variance" else lam.sqrt())
