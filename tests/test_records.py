@@ -56,3 +56,33 @@ def test_the_verdicts_index_matches_the_committed_csvs():
 
     root = REPO / "docs" / "results"
     assert verdicts_index(root) == (root / "VERDICTS.md").read_text()
+
+
+@pytest.mark.usefixtures("wikitext")
+def test_an_accumulating_study_records_each_run_and_skips_recorded_ones(tmp_path, capsys):
+    """`qkgeom study` on a ladder with [analysis] records: every finished run's record is written at
+    once, the study is analysed from the records (interim while runs are missing), and a second
+    sitting trains nothing that is recorded; --dry-run says recorded / to do."""
+    records = tmp_path / "results" / "mini-ladder"
+    sweep = tmp_path / "mini-ladder.toml"
+    sweep.write_text(
+        '[sweep]\nname = "mini-ladder"\nbase = "tiny"\norder = "seed"\n'
+        '[grid]\n"train.steps,probe.every,train.eval_every" = [[20, 5, 5], [40, 10, 10]]\n'
+        '"train.seed,train.data_seed" = [[0, 1000], [1, 1001], [2, 1002]]\n'
+        f'[analysis]\nrecords = "{records}"\nmargin = 0.1\nprimary = [{{ id = "L1", claim = "L1 " }}]\n'
+    )
+    out = tmp_path / "runs"
+    args = ["study", str(sweep), "--out", str(out), "--no-progress", "--workers", "1"]
+    assert main(args) == 0, capsys.readouterr().err
+    assert recorded_runs(records) == {d.name for d in out.iterdir() if (d / "done.json").is_file()}
+    assert len(recorded_runs(records)) == 6 and (records / "sweep.json").is_file()
+    claims = pd.read_csv(records / "claims.csv")
+    l1 = claims[claims["primary"] == "L1"].iloc[0]
+    assert l1["n"] == 3 and not str(l1["reading"]).startswith("interim")
+    shutil.rmtree(out)  # the next session has no run folders, only the committed records
+    capsys.readouterr()
+    assert main(args) == 0
+    assert "0 trained, 6 already done" in capsys.readouterr().out
+    assert main(["study", str(sweep), "--out", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert text.count("[recorded]") == 6 and "recorded 6 / 6; to do 0 runs" in text

@@ -127,13 +127,16 @@ def _dose_points(df: pd.DataFrame) -> pd.DataFrame:
 
 def dose_response(df: pd.DataFrame) -> pd.DataFrame:
     """Per seed: OLS slope of attention entropy on log activation PR_K (window means, layer mean)
-    across the none / contract / expand arms on W_K. Columns: seed, slope, n_arms."""
+    across the none / contract / expand arms on W_K. Columns: seed, slope, intercept, n_arms, and the
+    range of log PR_K the fit spans (x_min, x_max: where the figure draws the line)."""
     pts = dose_points(df)
-    out = [
-        {"seed": seed, "slope": stats.slope(g["log_pr_k"], g["entropy"]), "n_arms": len(g)}
-        for seed, g in pts[pts["in_fit"]].groupby("seed")
-    ]
-    return pd.DataFrame(out, columns=["seed", "slope", "n_arms"])
+    out = []
+    for seed, g in pts[pts["in_fit"]].groupby("seed"):
+        b = stats.slope(g["log_pr_k"], g["entropy"])
+        a = float(g["entropy"].mean() - b * g["log_pr_k"].mean()) if np.isfinite(b) else np.nan
+        x = g["log_pr_k"]
+        out.append({"seed": seed, "slope": b, "intercept": a, "n_arms": len(g), "x_min": x.min(), "x_max": x.max()})
+    return pd.DataFrame(out, columns=["seed", "slope", "intercept", "n_arms", "x_min", "x_max"])
 
 
 def causal_estimates(df: pd.DataFrame, note: str) -> list[dict]:

@@ -122,7 +122,8 @@ def family_study_section(path: str | Path) -> list[str]:
     for name, fig, caption in (
         ("family_seeds_contrast", plots.family_seeds_contrast(fam, early), "PR_Q - PR_K per layer over each seed's "
          "checkpoints; the early window shaded"),
-        ("family_heads_link", plots.heads_link(fam, seeds, FS.HEADS_LINK), "Interaction rank vs attention entropy "
+        ("family_heads_link", plots.heads_link(fam, seeds, FS.HEADS_LINK, _per_step(claims)),
+         "Interaction rank vs attention entropy "
          "across heads: per revision (left), and every head at three revisions"),
     ):  # fmt: skip
         png = _png(fig)
@@ -136,3 +137,12 @@ def family_study_section(path: str | Path) -> list[str]:
         "</details>",
     ]
     return parts
+
+
+def _per_step(claims: pd.DataFrame) -> pd.DataFrame:
+    """The F5 rows of a family study's claims (one per revision): step, value, ci_low, ci_high."""
+    from qkgeom.families import study as FS
+
+    f5 = claims[claims["claim"] == FS.F5].copy()
+    f5["step"] = f5["window"].str.removeprefix("step ").astype(int)
+    return f5[["step", "value", "ci_low", "ci_high"]]

@@ -189,12 +189,12 @@ def dose_response(points: pd.DataFrame, slopes: pd.DataFrame) -> Figure:
     line per seed: the causal estimate is the mean of these per-seed slopes."""
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     arms = sorted(points["intervention"].unique())
+    fits = slopes.set_index("seed")
     for seed, g in points.groupby("seed"):
-        fam = g[g["in_fit"]]
-        if fam["log_pr_k"].nunique() >= 2:  # this seed's least-squares line over its own range
-            b, a = np.polyfit(fam["log_pr_k"], fam["entropy"], 1)
-            xs = np.array([fam["log_pr_k"].min(), fam["log_pr_k"].max()])
-            ax.plot(xs, a + b * xs, color="0.6", lw=0.8, zorder=1)
+        if seed in fits.index and np.isfinite(fits.loc[seed, "slope"]):  # the seed's fit, over its own range
+            f = fits.loc[seed]
+            xs = np.array([f["x_min"], f["x_max"]])
+            ax.plot(xs, f["intercept"] + f["slope"] * xs, color="0.6", lw=0.8, zorder=1)
         for arm, r in g.groupby("intervention"):
             ax.scatter(
                 r["log_pr_k"],
@@ -400,20 +400,18 @@ def family_seeds_contrast(fam: pd.DataFrame, early_max_step: int) -> Figure:
     return fig
 
 
-def heads_link(fam: pd.DataFrame, seeds: pd.DataFrame, statistic: str) -> Figure:
+def heads_link(fam: pd.DataFrame, seeds: pd.DataFrame, statistic: str, per_step: pd.DataFrame) -> Figure:
     """A family study: the across-heads Spearman of interaction rank with attention entropy at each
-    revision (per seed and mean with its 95% t-interval), and the per-head scatter at three revisions."""
-    from qkgeom.analysis.stats import t_mean_ci
-
+    revision (per seed, and the analysis' mean with its 95% interval: per_step has step, value,
+    ci_low, ci_high, the F5 rows), and the per-head scatter at three revisions."""
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     rho = seeds[(seeds["statistic"] == statistic) & (seeds["step"] > 0)]
-    by_step = rho.groupby("step")["rho"]
-    ci = np.array([t_mean_ci(v.to_numpy()) for _, v in by_step])
     ax = axes[0]
     ax.scatter(rho["step"], rho["rho"], s=8, color="0.6", label="seeds")
-    ax.plot(by_step.mean().index, by_step.mean().values, "-o", ms=3, color="tab:purple", label="mean")
-    lo, hi = np.clip(ci[:, 0], -1, 1), np.clip(ci[:, 1], -1, 1)  # a correlation's interval, shown within [-1, 1]
-    ax.fill_between(by_step.mean().index, lo, hi, color="tab:purple", alpha=0.2, lw=0, label="95% t")
+    per_step = per_step.sort_values("step")
+    ax.plot(per_step["step"], per_step["value"], "-o", ms=3, color="tab:purple", label="mean")
+    ax.fill_between(per_step["step"], per_step["ci_low"], per_step["ci_high"], color="tab:purple", alpha=0.2, lw=0,
+                    label="95% CI")  # fmt: skip
     ax.axhline(0, color="k", lw=0.5)
     ax.set_xscale("symlog", linthresh=10)
     ax.set_xlim(left=0)

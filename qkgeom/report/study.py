@@ -38,6 +38,10 @@ class Analysis:
     sensitivity: pd.DataFrame
     skipped: list[str] = field(default_factory=list)
     horizon: pd.DataFrame | None = None
+    # what the figures draw, computed here by the analysis (the report only draws)
+    per_run: pd.DataFrame | None = None  # per (run, layer) post-transient statistics of the none runs
+    dose_points: pd.DataFrame | None = None  # per (seed, arm) window means (intervention studies)
+    dose_slopes: pd.DataFrame | None = None  # per seed dose-response fit
 
     @property
     def is_intervention(self) -> bool:
@@ -77,7 +81,10 @@ def analyze(path: str | Path) -> Analysis:
     tables["verdicts"] = verdicts(claims)
     for name, df in {"summary": traj, "claims": claims, **tables}.items():
         write_table(path, name, df, parquet=True)
-    return Analysis(path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"))
+    per_run = A.per_run_statistics(A.window(base if len(base) else geometry, "post-transient"))
+    is_iv = geometry["intervention"].nunique() > 1
+    dose = (causal.dose_points(geometry), causal.dose_response(geometry)) if is_iv else (None, None)
+    return Analysis(path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"), per_run, *dose)
 
 
 VERDICT_WINDOWS = ("post-transient", "final", "post-transient mean", "post-transient, loss-matched")
@@ -220,12 +227,12 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
             "Achieved controlled spectrum per arm (solid), its target (dashed), the baseline none run (black).",
             plots.control_tracking(g),
         )
-        slopes = causal.dose_response(g)
-        if len(slopes) and slopes["n_arms"].min() >= 3:
+        slopes = a.dose_slopes
+        if slopes is not None and len(slopes) and slopes["n_arms"].min() >= 3:
             figs["dose_response"] = (
                 "Dose-response: attention entropy against achieved log activation PR_K, per arm and seed "
                 "(o: arms in the fit; x: other arms).",
-                plots.dose_response(causal.dose_points(g), slopes),
+                plots.dose_response(a.dose_points, slopes),
             )
         figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "intervention"))
     base = g[g["intervention"] == "none"]
@@ -237,7 +244,7 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
         )
         figs["slope_by_depth"] = (
             "Post-transient PR_Q and PR_K slopes against relative depth, per init and depth (seed mean, 95% t).",
-            plots.slope_by_depth(A.per_run_statistics(A.window(base, "post-transient"))),
+            plots.slope_by_depth(a.per_run),
         )
         figs["contrast_heatmap"] = ("PR_Q - PR_K per layer over training (seed mean).", plots.contrast_heatmap(base))
         figs["entropy_vs_prk"] = ("Attention entropy against PR_K.", plots.entropy_vs_prk(base))
@@ -418,7 +425,7 @@ def _write_run_report(a: Analysis) -> Path:
     per-layer trajectories instead."""
     out = a.path / "report"
     g = a.geometry
-    per_layer = A.per_run_statistics(A.window(g, "post-transient"))[["layer", *RUN_TABLE]].rename(columns=RUN_TABLE)
+    per_layer = a.per_run[["layer", *RUN_TABLE]].rename(columns=RUN_TABLE)
     figs = {
         "layer_trajectories": ("PR_Q and PR_K of every layer against step.", plots.layer_trajectories(g)),
         "loss": ("Validation loss.", plots.loss_curves(a.metrics, "qk_init")),
