@@ -49,10 +49,15 @@ class Analysis:
 
 
 def study_analysis(path: Path) -> dict:
-    """The [analysis] table of the study's pre-registration (primary family, margin), as its sweep
-    manifest recorded it; {} for a folder without one."""
-    sweep = Path(path) / SWEEP_MANIFEST
-    return read_json(sweep).get("analysis", {}) if sweep.is_file() else {}
+    """The [analysis] table of the study's pre-registration (primary family, margin): as its sweep
+    manifest recorded it, or from the folder's preregistration.toml (a study run by a script, not a
+    sweep); {} for a folder with neither."""
+    import tomllib
+
+    sweep, prereg = Path(path) / SWEEP_MANIFEST, Path(path) / "preregistration.toml"
+    if sweep.is_file():
+        return read_json(sweep).get("analysis", {})
+    return tomllib.loads(prereg.read_text()).get("analysis", {}) if prereg.is_file() else {}
 
 
 def analyze(path: str | Path) -> Analysis:
