@@ -278,6 +278,16 @@ def test_controls_fall_back_to_the_svd_where_eigh_fails(monkeypatch):
     assert torch.allclose(I.set_key_spectrum(w_k[0], sv, v, sv), w_k[0], atol=1e-12)
 
 
+def _weights(h: int, d: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
+    """Random W_Q, W_K heads (h, d, e) in float64, and the generator (for further draws)."""
+    g = torch.Generator().manual_seed(seed)
+    return (
+        torch.randn(h, d, e, generator=g, dtype=torch.float64),
+        torch.randn(h, d, e, generator=g, dtype=torch.float64),
+        g,
+    )
+
+
 def _cov(d: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(d, d, generator=g, dtype=torch.float64)
@@ -286,11 +296,7 @@ def _cov(d: int, seed: int) -> torch.Tensor:
 
 def test_logit_scale_is_the_variance_of_logits_between_independent_inputs():
     """tr(M C M^T C) against a Monte Carlo of (x M x'^T)^2 for independent Gaussian x, x' ~ N(0, C)."""
-    g = torch.Generator().manual_seed(0)
-    w_q, w_k = (
-        torch.randn(2, 16, 4, generator=g, dtype=torch.float64),
-        torch.randn(2, 16, 4, generator=g, dtype=torch.float64),
-    )
+    w_q, w_k, g = _weights(2, 16, 4, seed=0)
     c = _cov(16, 1)
     chol = torch.linalg.cholesky(c)
     x, x2 = (
@@ -303,11 +309,7 @@ def test_logit_scale_is_the_variance_of_logits_between_independent_inputs():
 
 
 def test_scale_matching_keeps_the_input_weighted_logit_scale():
-    g = torch.Generator().manual_seed(2)
-    w_q, w_k = (
-        torch.randn(4, 32, 8, generator=g, dtype=torch.float64),
-        torch.randn(4, 32, 8, generator=g, dtype=torch.float64),
-    )
+    w_q, w_k, g = _weights(4, 32, 8, seed=2)
     c = _cov(32, 3)
     before = I.logit_scale(w_q, w_k, c)
     shaped, used, _ = I.key_shape_map(w_k, c, torch.full((4,), 2.5))  # a shape change moves the scale
@@ -338,11 +340,7 @@ def test_the_key_map_reaches_its_pr_target_and_leaves_w_q_alone():
 
 
 def test_the_temperature_arm_changes_no_spectrum_shape():
-    g = torch.Generator().manual_seed(6)
-    w_q, w_k = (
-        torch.randn(4, 32, 8, generator=g, dtype=torch.float64),
-        torch.randn(4, 32, 8, generator=g, dtype=torch.float64),
-    )
+    w_q, w_k, g = _weights(4, 32, 8, seed=6)
     c = _cov(32, 7)
     q2, k2 = I.temperature(w_q, w_k, torch.tensor([0.5, 1.0, 2.0, 3.0]))
 
