@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
+from scipy import stats as sps
 
 from qkgeom import config as C
 from qkgeom.analysis import stats
@@ -254,7 +255,10 @@ def load_family(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return pd.concat(frames, ignore_index=True), revs
 
 
+# the statistics of trends.csv (family_trends), by name; families.study reads them back by these names
+CONTRAST_TREND = "Spearman(PR_Q - PR_K, log step)"
 CONTRAST_SLOPE = "OLS slope(PR_Q - PR_K, log step)"
+HEADS_LINK = "Spearman(interaction rank, attention entropy) across heads"
 WITHIN_LAYER_LINK = "Spearman(interaction rank, normalised entropy) across heads within layer"
 N_PERMUTATIONS = 2000
 
@@ -272,14 +276,20 @@ def within_layer_link(ir: pd.Series, entropy: pd.Series, seed: int = 0) -> tuple
     rho = stats.spearman(centred["ir"].to_numpy(), centred["h"].to_numpy())[0]
     if not np.isfinite(rho):
         return rho, np.nan, len(both)
+    # A within-layer shuffle of h shuffles its ranks the same way, so every permuted Spearman is the
+    # Pearson r of the fixed rank vectors with permuted indices: ranked once, correlated in one product.
     rng = np.random.default_rng(seed)
-    h, groups = centred["h"].to_numpy(), [np.flatnonzero(layer == v) for v in np.unique(layer)]
-    null = np.empty(N_PERMUTATIONS)
+    groups = [np.flatnonzero(layer == v) for v in np.unique(layer)]
+    order = np.tile(np.arange(len(both)), (N_PERMUTATIONS, 1))  # (N_PERMUTATIONS, n) permuted indices
     for i in range(N_PERMUTATIONS):
-        perm = h.copy()
         for idx in groups:
-            perm[idx] = h[rng.permutation(idx)]
-        null[i] = stats.spearman(centred["ir"].to_numpy(), perm)[0]
+            order[i, idx] = rng.permutation(idx)
+
+    def standardised_ranks(v: np.ndarray) -> np.ndarray:
+        r = sps.rankdata(v)
+        return (r - r.mean()) / np.linalg.norm(r - r.mean())
+
+    null = standardised_ranks(centred["h"].to_numpy())[order] @ standardised_ranks(centred["ir"].to_numpy())
     p = (1 + np.sum(np.abs(null) >= abs(rho) - 1e-12)) / (N_PERMUTATIONS + 1)
     return float(rho), float(p), len(both)
 
@@ -304,7 +314,7 @@ def family_trends(geometry: pd.DataFrame, early_max_step: int = 1000) -> pd.Data
             rho, p, n = stats.spearman(x, y)
             rows.append(
                 {
-                    "statistic": "Spearman(PR_Q - PR_K, log step)",
+                    "statistic": CONTRAST_TREND,
                     "window": part,
                     "layer": layer,
                     "rho": rho,
@@ -326,7 +336,7 @@ def family_trends(geometry: pd.DataFrame, early_max_step: int = 1000) -> pd.Data
         )
         rows.append(
             {
-                "statistic": "Spearman(interaction rank, attention entropy) across heads",
+                "statistic": HEADS_LINK,
                 "window": rev,
                 "layer": "all",
                 "rho": rho,

@@ -25,13 +25,19 @@ from qkgeom import config as C
 from qkgeom.analysis.claims import CLAIM_COLUMNS, claim_row, numeric_columns, seed_row
 from qkgeom.analysis.runs import run_folders
 from qkgeom.families.config import PretrainedConfig
-from qkgeom.families.revisions import family_trends, load_family, run_pretrained
+from qkgeom.families.revisions import (
+    CONTRAST_SLOPE,
+    CONTRAST_TREND,
+    HEADS_LINK,
+    WITHIN_LAYER_LINK,
+    family_trends,
+    load_family,
+    run_pretrained,
+)
 from qkgeom.results import FAMILY_CLAIMS_CSV, FAMILY_SEEDS_CSV, RunDir, read_json, revision_name, write_table
 
 FAMILY_DIR = "family"
 EARLY_MAX_STEP = 1000  # the early window's end (configs/study-family-cpu.toml, pre-registered)
-CONTRAST_TREND = "Spearman(PR_Q - PR_K, log step)"
-HEADS_LINK = "Spearman(interaction rank, attention entropy) across heads"
 # the claims of configs/study-family-cpu.toml
 F1 = "F1 early trend of PR_Q - PR_K: " + CONTRAST_TREND
 F2 = "F2 decay: early rho - late rho"
@@ -41,8 +47,6 @@ F5 = "F5 " + HEADS_LINK
 F6 = "F6 late trend of PR_Q - PR_K: " + CONTRAST_TREND
 PER_LAYER = "per layer: " + CONTRAST_TREND
 # analysis v2 (issue 29), not pre-registered for family-cpu: unbounded decay, within-layer link (claim 4b)
-CONTRAST_SLOPE = "OLS slope(PR_Q - PR_K, log step)"
-WITHIN_LAYER_LINK = "Spearman(interaction rank, normalised entropy) across heads within layer"
 F2_SLOPE = "F2u decay, unbounded (analysis v2): early slope - late slope of PR_Q - PR_K on log step"
 F4_WITHIN = "F4w interaction rank vs normalised entropy within layer (analysis v2), pooled over revisions"
 
