@@ -125,11 +125,10 @@ def _dose_points(df: pd.DataFrame) -> pd.DataFrame:
     return pts
 
 
-def dose_response(df: pd.DataFrame) -> pd.DataFrame:
-    """Per seed: OLS slope of attention entropy on log activation PR_K (window means, layer mean)
-    across the none / contract / expand arms on W_K. Columns: seed, slope, intercept, n_arms, and the
-    range of log PR_K the fit spans (x_min, x_max: where the figure draws the line)."""
-    pts = dose_points(df)
+def dose_response(pts: pd.DataFrame) -> pd.DataFrame:
+    """Per seed, from dose_points: OLS slope of attention entropy on log activation PR_K (window means,
+    layer mean) across the none / contract / expand arms on W_K. Columns: seed, slope, intercept,
+    n_arms, and the range of log PR_K the fit spans (x_min, x_max: where the figure draws the line)."""
     out = []
     for seed, g in pts[pts["in_fit"]].groupby("seed"):
         b = stats.slope(g["log_pr_k"], g["entropy"])

@@ -168,9 +168,10 @@ SLOPE_CLAIMS = (
     ("key_participation_ratio", "PR_K shrinks: slope of PR_K vs training progress", -1),
     ("participation_ratio_contrast", "PR_Q - PR_K grows: slope of the contrast vs training progress", +1),
 )
-# "X tracks Y" is judged on co-movement: the Spearman correlation of the probe-to-probe changes
-# (first differences) within a run. The Spearman of the raw series measures shared trends (any two
-# monotone series correlate, and its sign flips with the window); it is kept, unjudged, beside it.
+# "X tracks Y" is judged on co-movement beyond the shared clock: the first-difference Pearson r of a
+# run's own X and Y minus a cross-seed surrogate null (comovement_per_seed). The Spearman of first
+# differences (no null) and of the raw series (shared trends: any two monotone series correlate, and
+# its sign flips with the window) are kept, unjudged, beside it.
 CORRELATION_CLAIMS = (
     ("key_participation_ratio", "attention_entropy", "PR_K tracks attention entropy", +1),
     ("key_participation_ratio", "interaction_rank", "PR_K tracks interaction rank", +1),
@@ -232,11 +233,11 @@ def seed_row(
         _, lo90, hi90 = stats.fisher_z_mean_ci(v, 0.90)
         z = np.arctanh(np.clip(v, -0.999999, 0.999999))
         p, interval = stats.t_test_p(z), "95% t over seeds on Fisher z, back-transformed"
-        equivalent = bool(np.isfinite(margin) and np.isfinite(lo90) and -margin < lo90 and hi90 < margin)
+        equivalent = stats.inside_margin(lo90, hi90, margin)  # TOST on the correlation's own interval
     else:
         value = float(np.mean(v)) if len(v) else np.nan
         lo, hi = stats.t_mean_ci(v)
-        lo90, hi90, equivalent = stats.tost(v, margin if np.isfinite(margin) else 0.0)
+        lo90, hi90, equivalent = stats.tost(v, margin)
         p, interval = stats.t_test_p(v), "95% t over seeds"
     p_flip, p_floor = stats.sign_flip_p(v)
     extra = dict(
@@ -316,19 +317,26 @@ def _seed_rows(
     )  # fmt: skip
 
 
-def comovement_per_seed(w: pd.DataFrame, x: str, y: str) -> tuple[np.ndarray, float, float]:
+def comovement_table(w: pd.DataFrame) -> pd.DataFrame:
+    """The layer-level series of the CORRELATION_CLAIMS metrics, (init, depth, layer, seed, step) x
+    metric: what comovement_per_seed reads, pivoted once for all of them."""
+    metrics = {m for x, y, _, _ in CORRELATION_CLAIMS for m in (x, y)}
+    lm = w[(w["head"] == -1) & w["metric"].isin(metrics)]
+    return lm.pivot_table(index=["qk_init", "n_layers", "layer", "seed", "step"], columns="metric", values="value")
+
+
+def comovement_per_seed(table: pd.DataFrame, x: str, y: str) -> tuple[np.ndarray, float, float]:
     """Per seed, the co-movement of layer metrics x and y beyond their shared clock: in each
     (init, depth, layer) cell, at the probe steps every seed of the cell has, the first-difference
     Pearson r of a seed's own x and y minus the mean r of its x against the other seeds' y
-    (stats.comovement_excess); then the mean over the seed's cells. Also the mean observed and null r."""
-    lm = w[(w["head"] == -1) & w["metric"].isin([x, y])]
-    table = lm.pivot_table(index=["qk_init", "n_layers", "layer", "seed", "step"], columns="metric", values="value")
+    (stats.comovement_excess); then the mean over the seed's cells. Also the mean observed and null r.
+    table: comovement_table of the window's rows."""
     if x not in table or y not in table:
         return np.array([]), np.nan, np.nan
     per_seed: dict[int, list[float]] = {}
     observed, null = [], []
     for _, cell in table.groupby(level=["qk_init", "n_layers", "layer"]):
-        cell = cell.droplevel(["qk_init", "n_layers", "layer"]).dropna()
+        cell = cell.droplevel(["qk_init", "n_layers", "layer"])[[x, y]].dropna()
         seeds = sorted(cell.index.get_level_values("seed").unique())
         steps = set.intersection(*(set(cell.loc[s].index) for s in seeds)) if seeds else set()
         if len(seeds) < 2 or len(steps) < 5:
@@ -398,8 +406,9 @@ def claims_main(df: pd.DataFrame, windows: tuple[str, ...] = WINDOWS, groups: bo
             rows.append(_contrast_row(g, per_run, group, win, note))
             for metric, claim, sign in SLOPE_CLAIMS:
                 rows.append(_seed_rows(per_run, f"slope:{metric}", claim, sign, group, win, note))
+            table = comovement_table(g)
             for x, y, claim, sign in CORRELATION_CLAIMS:
-                v, obs, null = comovement_per_seed(g, x, y)
+                v, obs, null = comovement_per_seed(table, x, y)
                 detail = f"per-seed excess {np.round(v, 4).tolist()}; mean r {obs:.3f}, surrogate null r {null:.3f}"
                 rows.append(
                     seed_row(v, study="main", claim=claim + CO_MOVEMENT, group=group, window=win, sign=sign,

@@ -12,7 +12,8 @@
 - spearman:              rank correlation and p-value (scipy.stats.spearmanr).
 - mde:                   minimum detectable effect of a one-sample t-test at a power (noncentral t).
 - fieller_ratio_ci:      Fieller's CI of a ratio of two means over paired units (the IV estimate).
-- tost:                  two one-sided tests of equivalence: the 90% t-interval inside +-margin.
+- tost, inside_margin:   two one-sided tests of equivalence: the 90% t-interval (or any interval)
+                         inside +-margin.
 - fisher_z_mean_ci:      mean of per-seed correlations through Fisher's z, t over seeds, back-transformed
                          (bounded in (-1, 1), unlike a t-interval on the correlations themselves).
 - sign_flip_p:           exact sign-flip (permutation) p of mean = 0 over n units, and the smallest p
@@ -242,8 +243,14 @@ def tost(values: np.ndarray, margin: float, level: float = 0.90) -> tuple[float,
     (-margin, +margin). Only then does a row "rule out |effect| >= margin". NaN/False below n = 2
     or without a positive margin."""
     lo, hi = t_mean_ci(values, level)
-    ok = margin > 0 and math.isfinite(lo) and math.isfinite(hi)
-    return lo, hi, bool(ok and -margin < lo and hi < margin)
+    return lo, hi, inside_margin(lo, hi, margin)
+
+
+def inside_margin(lo: float, hi: float, margin: float) -> bool:
+    """Whether the interval (lo, hi) lies strictly inside (-margin, +margin): TOST's equivalence, for
+    any interval (a t-interval, a back-transformed Fisher-z one). False for a NaN bound or margin."""
+    ok = math.isfinite(margin) and margin > 0 and math.isfinite(lo) and math.isfinite(hi)
+    return bool(ok and -margin < lo and hi < margin)
 
 
 def fisher_z_mean_ci(rhos: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:

@@ -48,16 +48,25 @@ class Analysis:
         return self.geometry["intervention"].nunique() > 1
 
 
-def study_analysis(path: Path) -> dict:
-    """The [analysis] table of the study's pre-registration (primary family, margin): as its sweep
-    manifest recorded it, or from the folder's preregistration.toml (a study run by a script, not a
-    sweep); {} for a folder with neither."""
+def study_analysis(path: Path, by_name: bool = False) -> dict:
+    """The [analysis] table of a study's pre-registration (primary family, margin, records): as its
+    sweep manifest recorded it, else from the folder's preregistration.toml (a study run by a script,
+    not a sweep), else, with by_name, from configs/study-<name>.toml for a results folder named
+    study-<name> or <name> (a committed study's folder holds no manifest); {} if none has one."""
     import tomllib
 
-    sweep, prereg = Path(path) / SWEEP_MANIFEST, Path(path) / "preregistration.toml"
-    if sweep.is_file():
-        return read_json(sweep).get("analysis", {})
-    return tomllib.loads(prereg.read_text()).get("analysis", {}) if prereg.is_file() else {}
+    from qkgeom.config import CONFIG_DIR
+
+    path = Path(path)
+    if (path / SWEEP_MANIFEST).is_file():
+        return read_json(path / SWEEP_MANIFEST).get("analysis", {})
+    files = [path / "preregistration.toml"]
+    if by_name:
+        files.append(CONFIG_DIR / f"study-{path.name.removeprefix('study-')}.toml")
+    for f in files:
+        if f.is_file():
+            return tomllib.loads(f.read_text()).get("analysis", {})
+    return {}
 
 
 def analyze(path: str | Path) -> Analysis:
@@ -87,9 +96,9 @@ def analyze(path: str | Path) -> Analysis:
     for name, df in {"summary": traj, "claims": claims, **tables}.items():
         write_table(path, name, df, parquet=True)
     per_run = A.per_run_statistics(A.window(base if len(base) else geometry, "post-transient"))
-    is_iv = geometry["intervention"].nunique() > 1
-    dose = (causal.dose_points(geometry), causal.dose_response(geometry)) if is_iv else (None, None)
-    return Analysis(path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"), per_run, *dose)
+    points = causal.dose_points(geometry) if geometry["intervention"].nunique() > 1 else None
+    fits = causal.dose_response(points) if points is not None else None
+    return Analysis(path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"), per_run, points, fits)
 
 
 VERDICT_WINDOWS = ("post-transient", "final", "post-transient mean", "post-transient, loss-matched")
@@ -502,20 +511,6 @@ def verdicts_ladder(claims: pd.DataFrame) -> pd.DataFrame:
     return verdicts(sel, select=False)
 
 
-def primary_spec(results: Path) -> list[dict]:
-    """The primary family of a committed study: its study file's [analysis] (configs/study-<name>.toml
-    for docs/results/study-<name> or docs/results/<name>), else the folder's preregistration.toml."""
-    import tomllib
-
-    from qkgeom.config import CONFIG_DIR
-
-    name = results.name.removeprefix("study-")
-    for f in (CONFIG_DIR / f"study-{name}.toml", results / "preregistration.toml"):
-        if f.is_file():
-            return tomllib.loads(f.read_text()).get("analysis", {}).get("primary", [])
-    return []
-
-
 def verdicts_index(root: str | Path) -> str:
     """docs/results/VERDICTS.md: every pre-registered primary row of every committed study, with its
     raw p (as its claims.csv has it), the exact sign-flip p from its committed per-seed values (and
@@ -524,7 +519,7 @@ def verdicts_index(root: str | Path) -> str:
     root = Path(root)
     found = []
     for d in sorted(p for p in root.iterdir() if (p / "claims.csv").is_file()):
-        spec = primary_spec(d)
+        spec = study_analysis(d, by_name=True).get("primary", [])
         if not spec:
             continue
         claims = pd.read_csv(d / "claims.csv", keep_default_na=False, na_values=[""])
