@@ -26,7 +26,9 @@ from qkgeom.errors import QKGeomError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 QK_INITS = ("independent", "orthogonal", "tied", "anti_tied")
-INTERVENTIONS = ("none", "hold", "contract", "expand")
+INTERVENTIONS = ("none", "hold", "contract", "expand", "shape", "temperature")
+# kinds whose target is ratio x the same seed's none run (always two-sided; they need its finished probes)
+BASELINE_KINDS = ("shape", "temperature")
 CONTROL_TARGETS = ("key", "interaction")
 REFERENCES = ("baseline", "initial")
 CONTROL_MODES = ("one-sided", "two-sided")
@@ -144,7 +146,10 @@ class ProbeConfig:
 @dataclass(frozen=True)
 class InterventionConfig:
     kind: str = "none"
-    """Spectrum control after every optimiser step: none, hold (initial profile), contract, expand."""
+    """Spectrum control after every optimiser step: none, hold (initial profile), contract, expand on
+    the weight spectra (`on`); `shape`: the *activation* PR of the keys, PR(Cov k), tracks ratio x the
+    same seed's none run per head, queries untouched; `temperature`: the head's input-weighted logit
+    scale tracks ratio^2 x the none run's (logits times ratio), no change of any spectrum's shape."""
     on: str = "key"
     """What is controlled: `key` (singular values of W_K^h) or `interaction` (of W_Q^h W_K^h^T)."""
     reference: str = "baseline"
@@ -161,6 +166,16 @@ class InterventionConfig:
     baseline: str = ""
     """reference = baseline: the `none` run's folder (relative to this run's parent folder); sweeps
     fill it in."""
+    match_scale: bool = False
+    """After the projection, rescale W_Q^h and W_K^h by sqrt(gamma) so the head's input-weighted logit
+    scale tr(M C M^T C) (M = W_Q W_K^T / sqrt(E), C the running input covariance) is what it was before
+    it: the arm changes spectrum shape only. Any kind but temperature."""
+    floor: float = 1.5
+    """shape: targets below this PR are raised to it (a PR of 1 is a rank-1 clamp); such heads are
+    flagged in the probe rows (`key_participation_ratio_floor_raised`)."""
+    cov_decay: float = 0.9
+    """shape, temperature, match_scale: the running centred covariance C of each layer's attention
+    input is an exponential average over training batches with this decay per step."""
     layers: tuple[int, ...] = ()
     """Layers controlled; empty means all."""
     heads: tuple[int, ...] = ()
@@ -310,9 +325,20 @@ MAX_CTX = 8192  # a T x T probe pattern per head beyond this does not fit a work
 SAFE_NAME = re.compile(r"[A-Za-z0-9_=,+\-][A-Za-z0-9._=,+\-]*")
 
 
+# config keys added after studies had committed their run ids (causal v3), with their defaults
+HASHED_ONLY_IF_SET = {"intervention.match_scale": False, "intervention.floor": 1.5, "intervention.cov_decay": 0.9}
+
+
 def run_id(cfg: RunConfig) -> str:
-    """A run's deterministic id and folder name: its name plus a hash of the resolved config."""
-    digest = hashlib.sha256(json.dumps(to_dict(cfg), sort_keys=True).encode()).hexdigest()[:10]
+    """A run's deterministic id and folder name: its name plus a hash of the resolved config (keys
+    added after runs were committed enter the hash only when set away from their default, so every
+    committed record keeps its id)."""
+    d = to_dict(cfg)
+    for key, default in HASHED_ONLY_IF_SET.items():
+        section, name = key.split(".")
+        if d[section].get(name) == default:
+            del d[section][name]
+    digest = hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:10]
     return f"{cfg.name}-{digest}"
 
 
@@ -385,6 +411,17 @@ def validate(cfg: RunConfig) -> None:
         f"intervention.ratio must be in (0, 1) for contract, got {iv.ratio}",
     )
     need(iv.kind != "expand" or iv.ratio > 1, f"intervention.ratio must be > 1 for expand, got {iv.ratio}")
+    need(iv.ratio > 0, f"intervention.ratio must be positive, got {iv.ratio}")
+    need(
+        iv.kind not in BASELINE_KINDS or iv.reference == "baseline",
+        f"intervention.kind = {iv.kind!r} is relative to the none run: it needs intervention.reference = 'baseline'",
+    )
+    need(
+        not iv.match_scale or iv.kind not in ("none", "temperature"),
+        f"intervention.match_scale applies to a shape-changing kind, not {iv.kind!r}",
+    )
+    need(iv.floor >= 1, f"intervention.floor must be >= 1 (a PR), got {iv.floor}")
+    need(0 <= iv.cov_decay < 1, f"intervention.cov_decay must be in [0, 1), got {iv.cov_decay}")
 
     bad_layers = [x for x in iv.layers if not 0 <= x < m.n_layers]
     need(not bad_layers, f"intervention.layers {bad_layers} do not exist (model has {m.n_layers} layers)")

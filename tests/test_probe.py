@@ -149,3 +149,34 @@ def test_gpt_probe_logit_cap_uses_the_first_sequences_only():
         else:
             assert v == full[key]
     assert n_logit > 0 and any(capped[k] != full[k] for k in capped if k[2].startswith("logit_"))
+
+
+def test_logit_scale_and_row_std_rows_match_direct_computations():
+    """The probe's input_logit_scale is interventions.logit_scale at the probe batch's input mean and
+    covariance; logit_row_std and its CV are the per-row std of q.k / sqrt(E) over the keys each causal
+    row sees, averaged over rows."""
+    from qkgeom.config import ModelConfig
+    from qkgeom.probing.hooks import capture
+    from qkgeom.probing.probe import gpt_weights, probe_gpt
+    from qkgeom.training.interventions import logit_scale
+    from qkgeom.training.model import GPT
+
+    model = GPT(ModelConfig(n_layers=2, d_model=32, n_heads=4, n_ctx=16), 40, seed=3)
+    idx = torch.randint(0, 40, (8, 16), generator=torch.Generator().manual_seed(0))
+    r = rows_to_dict(probe_gpt(model, idx)[0])
+    names = ["blocks.1.hook_attn_in", "blocks.1.attn.hook_q", "blocks.1.attn.hook_k"]
+    with torch.no_grad(), capture(model, names) as store:
+        model(idx, explicit=True)
+    x = store[names[0]].reshape(-1, 32).double()
+    w_q, w_k = gpt_weights(model)
+    expected = logit_scale(w_q[1], w_k[1], torch.cov(x.T, correction=0), x.mean(0))
+    for h in range(4):
+        assert r[(1, h, "input_logit_scale")] == pytest.approx(float(expected[h]), rel=1e-6)
+    q, k = store[names[1]].double(), store[names[2]].double()  # (B, H, T, E)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(8)
+    stds = torch.stack([scores[..., t, : t + 1].std(-1, correction=0) for t in range(1, 16)], -1)  # (B, H, T-1)
+    per_head = stds.permute(1, 0, 2).reshape(4, -1)
+    for h in range(4):
+        assert r[(1, h, "logit_row_std")] == pytest.approx(float(per_head[h].mean()), rel=1e-5)
+        cv = per_head[h].std(correction=0) / per_head[h].mean()
+        assert r[(1, h, "logit_row_std_cv")] == pytest.approx(float(cv), rel=1e-4)

@@ -44,9 +44,15 @@ MATCHED_ARM = "hold:key"
 
 
 def parse_arm(arm: str) -> tuple[str, str, float]:
-    """`contract:key:0.6` -> (contract, key, 0.6); `hold:key` -> (hold, key, 1.0); `none` -> (none, key, 1.0)."""
-    parts = arm.split(":")
+    """`contract:key:0.6` -> (contract, key, 0.6); `hold:key` -> (hold, key, 1.0); `none` -> (none, key, 1.0);
+    a `:matched` suffix (matched logit scale) is dropped: is_matched() reads it."""
+    parts = [p for p in arm.split(":") if p != "matched"]
     return parts[0], parts[1] if len(parts) > 1 else "key", float(parts[2]) if len(parts) > 2 else 1.0
+
+
+def is_matched(arm: str) -> bool:
+    """Whether the arm ran at matched logit scale (intervention.match_scale)."""
+    return arm.endswith(":matched")
 
 
 def with_seed_window(df: pd.DataFrame) -> pd.DataFrame:

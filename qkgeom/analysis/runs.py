@@ -52,13 +52,16 @@ def _run_info(rd: RunDir) -> dict:
 
 
 def arm_label(iv: dict) -> str:
-    """A condition's name in tables: `none`, `hold:key`, `contract:key:0.6`, `expand:interaction:1.25`."""
+    """A condition's name in tables: `none`, `hold:key`, `contract:key:0.6`, `expand:interaction:1.25`,
+    `shape:activation:0.7`, `temperature:logit:0.5`; `:matched` is appended at matched logit scale."""
     kind, on = iv["kind"], iv.get("on", "key")
+    on = {"shape": "activation", "temperature": "logit"}.get(kind, on)
+    matched = ":matched" if iv.get("match_scale") else ""
     if kind == "none":
         return "none"
     if kind == "hold":
-        return f"hold:{on}"
-    return f"{kind}:{on}:{iv.get('ratio', 1.0):g}"
+        return f"hold:{on}{matched}"
+    return f"{kind}:{on}:{iv.get('ratio', 1.0):g}{matched}"
 
 
 # What may differ between the runs of one analysis: the seeds (the units), the study's conditions

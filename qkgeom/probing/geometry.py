@@ -249,16 +249,23 @@ class CovarianceAccumulator:
             solve_together([self])
         return self._eig
 
+    def block_covariances(self, n_blocks: int) -> Tensor:
+        """The n_blocks equal diagonal blocks of the covariance, (n_blocks, d / n_blocks, d / n_blocks)."""
+        cov = self.covariance()
+        e = cov.shape[-1] // n_blocks
+        return torch.stack([cov[h * e : (h + 1) * e, h * e : (h + 1) * e] for h in range(n_blocks)])
+
     def block_eigenvalues(self, n_blocks: int) -> Tensor:
         """Eigenvalues of the n_blocks equal diagonal blocks of the covariance, (n_blocks, d / n_blocks).
 
         The covariance of a concatenation [x_1 | ... | x_H] restricted to block h is exactly the
         covariance of x_h, so per-head spectra come from the layer's accumulator at no extra pass.
         """
-        cov = self.covariance()
-        e = cov.shape[-1] // n_blocks
-        blocks = torch.stack([cov[h * e : (h + 1) * e, h * e : (h + 1) * e] for h in range(n_blocks)])
-        return robust_eigvalsh(blocks, what="per-head covariance eigenvalues").flip(-1).clamp_min(0)
+        return (
+            robust_eigvalsh(self.block_covariances(n_blocks), what="per-head covariance eigenvalues")
+            .flip(-1)
+            .clamp_min(0)
+        )
 
 
 def causal_support(n_ctx: int) -> Tensor:
@@ -344,6 +351,36 @@ def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     unit = scores.div_(scale)
     ev = robust_eigvalsh(unit.transpose(-1, -2) @ unit, fast=True, what="logit spectrum")
     return ev.flip(-1).clamp_min(0).sqrt() * scale[..., 0].to(torch.float64)
+
+
+def logit_row_std(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
+    """Per query row, the standard deviation of its scores q.k / sqrt(d_head) over the keys it sees
+    (all keys, or keys <= its position if causal): the logit scale that sets how peaked its softmax
+    can be. q, k: (..., T, d_head) -> (..., T), NaN for rows that see fewer than 2 keys."""
+    work = torch.float64 if q.dtype == torch.float64 or k.dtype == torch.float64 else torch.float32
+    scores = q.detach().to(work) @ k.detach().to(work).transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
+    t = scores.shape[-1]
+    visible = torch.ones(t, t, dtype=torch.bool, device=scores.device)
+    if causal:
+        visible = torch.tril(visible)
+    n = visible.sum(-1).to(work)  # (T,)
+    masked = torch.where(visible, scores, torch.zeros((), dtype=work, device=scores.device))
+    mean = masked.sum(-1) / n
+    dev = torch.where(visible, scores - mean.unsqueeze(-1), torch.zeros((), dtype=work, device=scores.device))
+    std = ((dev**2).sum(-1) / n).sqrt().to(torch.float64)
+    return torch.where(n >= 2, std, torch.full_like(std, float("nan")))
+
+
+def input_logit_scale(cov_q: Tensor, cov_k: Tensor, mean_q: Tensor | None = None) -> Tensor:
+    """The expected variance of a query's logits q.k / sqrt(d_head) over keys, per head, from the heads'
+    centred covariances (..., E, E) and the query mean (..., E): tr(S_q Cov k) / d_head with
+    S_q = Cov q + mu_q mu_q^T (the key mean cancels within a row). Equals interventions.logit_scale
+    for q = W_Q^T x, k = W_K^T x with x of mean mu and covariance C."""
+    s_q = cov_q.to(torch.float64)
+    if mean_q is not None:
+        mu = mean_q.to(torch.float64)
+        s_q = s_q + mu.unsqueeze(-1) * mu.unsqueeze(-2)
+    return (s_q * cov_k.to(torch.float64).transpose(-1, -2)).sum((-2, -1)) / cov_q.shape[-1]
 
 
 ALPHA_MIN_TAIL = 10  # eigenvalues the power-law tail must hold for alpha to be reported

@@ -59,6 +59,10 @@ class _Layer:
     logit_pr_sum: Tensor | None = None  # (H,)
     logit_top_sum: Tensor | None = None
     logit_n: int = 0
+    row_std_sum: Tensor | None = None  # (H,) sums over query rows of the per-row logit std
+    row_std_sq_sum: Tensor | None = None
+    row_n: int = 0
+    logit_gain: float = 1.0  # the model's scores are q k^T / sqrt(E) times this
 
 
 class GeometryAccumulator:
@@ -108,6 +112,7 @@ class GeometryAccumulator:
         st = self.layers[layer]
         qr, kr = _rows_of(q, token_mask), _rows_of(k, token_mask)  # (H, N, E)
         st.n_q_heads, st.n_k_heads = qr.shape[0], kr.shape[0]
+        st.logit_gain = logit_scale
         st.q_all.update(qr.permute(1, 0, 2).reshape(qr.shape[1], -1))  # (H, N, E) -> (N, H*E)
         st.k_all.update(kr.permute(1, 0, 2).reshape(kr.shape[1], -1))
         if pattern is not None:
@@ -144,6 +149,14 @@ class GeometryAccumulator:
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1)  # each query head with the key head it reads
         sv = G.logit_singular_values(q, k, causal) * logit_scale  # (B, H, T)
+        row_std = (G.logit_row_std(q, k, causal) * logit_scale).permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, B*T)
+        row_std = row_std[:, torch.isfinite(row_std[0])].cpu()
+        sums = (row_std.sum(-1), (row_std**2).sum(-1))
+        if st.row_std_sum is None:
+            st.row_std_sum, st.row_std_sq_sum = sums
+        else:
+            st.row_std_sum, st.row_std_sq_sum = st.row_std_sum + sums[0], st.row_std_sq_sum + sums[1]
+        st.row_n += row_std.shape[1]
         pr = G.participation_ratio(sv**2).sum(0).cpu()
         top = sv[..., 0].sum(0).cpu()
         if st.logit_pr_sum is None:
@@ -197,6 +210,21 @@ class GeometryAccumulator:
                     add(li, h, "logit_spectral_norm", top[h])
                 add(li, -1, "logit_participation_ratio", pr.mean())
                 add(li, -1, "logit_spectral_norm", top.mean())
+            # input-weighted logit scale (all probe tokens): from the head blocks of the layer's covariances
+            cq, ck = st.q_all.block_covariances(st.n_q_heads), st.k_all.block_covariances(st.n_k_heads)
+            mq = st.q_all.mean.reshape(st.n_q_heads, -1)
+            scale = G.input_logit_scale(cq, ck.repeat_interleave(st.n_q_heads // st.n_k_heads, dim=0), mq)
+            scale = scale * st.logit_gain**2
+            for h in range(len(scale)):
+                add(li, h, "input_logit_scale", scale[h])
+            add(li, -1, "input_logit_scale", scale.mean())
+            if st.row_n:
+                mean = st.row_std_sum / st.row_n
+                sd = (st.row_std_sq_sum / st.row_n - mean**2).clamp_min(0).sqrt()
+                for name, vals in (("logit_row_std", mean), ("logit_row_std_cv", sd / mean)):
+                    for h in range(len(vals)):
+                        add(li, h, name, vals[h])
+                    add(li, -1, name, vals.mean())
         return out
 
     def spectra(self) -> dict[str, np.ndarray]:

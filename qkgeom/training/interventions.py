@@ -22,6 +22,20 @@ the same step, interpolated between its probes; ``reference = "initial"`` uses t
 on a linear schedule reaching ``ratio`` at ``reach_fraction`` of training (unconstrained training
 itself contracts W_K to ~0.4-0.6x at small scale, so an absolute target can undershoot the baseline).
 
+Two kinds act on what attention sees through the data (causal v3), both relative to the same seed's
+``none`` run at the same step (``reference = "baseline"``, two-sided):
+
+- shape:       the activation PR of each head's keys, PR(Cov k) with Cov k = W_K^T C W_K, is set to
+               ratio x the none run's, queries untouched (key_shape_map; targets below ``floor`` are
+               raised to it and flagged, so no head is clipped to rank 1).
+- temperature: the head's input-weighted logit scale (logit_scale: the expected per-row variance of
+               its logits, tr(M C M^T S), M = W_Q W_K^T / sqrt(E)) is set to ratio^2 x the none run's
+               (logits times ratio) by rescaling W_Q and W_K: no spectrum changes shape.
+
+C is a running centred covariance of each layer's attention input (RunningCovariance, fed by a hook
+on the training forward). ``match_scale`` rescales W_Q^h, W_K^h after any shape-changing projection so
+the head's logit scale is what it was before it (a shape change at matched scale).
+
 A profile with a given PR is found in closed form: in energy space p = s^2 / sum s^2, the profile
 moves along the segment toward the top direction (lower PR) or the flat profile (higher PR); along
 both, sum(p^2) is a convex quadratic in the mixing weight, monotone on [0, 1].
@@ -40,6 +54,58 @@ from qkgeom.probing.geometry import interaction_singular_values, participation_r
 Tensor = torch.Tensor
 # the probe metric each control acts on (a per-head row in geometry.parquet)
 CONTROLLED_METRIC = {"key": "key_weight_participation_ratio", "interaction": "interaction_rank"}
+# ... for the kinds that act through the data, by kind
+KIND_METRIC = {"shape": "key_participation_ratio", "temperature": "input_logit_scale"}
+FLOOR_METRIC = "key_participation_ratio_floor_raised"
+
+
+def controlled_metric(cfg: InterventionConfig) -> str:
+    """The per-head probe metric an intervention steers (and reads from its baseline run)."""
+    return KIND_METRIC.get(cfg.kind, CONTROLLED_METRIC[cfg.on])
+
+
+def needs_covariance(cfg: InterventionConfig) -> bool:
+    """Whether the control needs the running covariance of each layer's attention input."""
+    return cfg.kind in KIND_METRIC or cfg.match_scale
+
+
+class RunningCovariance:
+    """Exponentially averaged mean and centred covariance (float64) of each layer's attention input,
+    fed one training batch at a time: C <- decay C + (1 - decay) C_batch (the first batch sets it),
+    C_batch about the batch mean; the mean likewise. `hook(layer)` is a forward hook for the layer's
+    `hook_attn_in` site."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+        self.cov: dict[int, Tensor] = {}
+        self.mean: dict[int, Tensor] = {}
+
+    @torch.no_grad()
+    def update(self, layer: int, x: Tensor) -> None:
+        x = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
+        mu = x.mean(0)
+        xc = x - mu
+        c = xc.T @ xc / len(xc)
+        if layer not in self.cov:
+            self.cov[layer], self.mean[layer] = c, mu
+        else:
+            d = self.decay
+            self.cov[layer] = d * self.cov[layer] + (1 - d) * c
+            self.mean[layer] = d * self.mean[layer] + (1 - d) * mu
+
+    def hook(self, layer: int):
+        def fn(module, inputs, output):  # noqa: ARG001 (forward hook signature)
+            if torch.is_grad_enabled():  # training forwards only, not probes or evaluation
+                self.update(layer, output)
+
+        return fn
+
+    def state_dict(self) -> dict:
+        return {"cov": {str(k): v for k, v in self.cov.items()}, "mean": {str(k): v for k, v in self.mean.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.cov = {int(k): v for k, v in state["cov"].items()}
+        self.mean = {int(k): v for k, v in state["mean"].items()}
 
 
 def profiles_with_pr(sv: Tensor, target_pr: Tensor) -> Tensor:
@@ -166,6 +232,7 @@ class SpectrumControl:
 
     baseline: for reference = "baseline", (steps (n,), values (L, H, n)) of the controlled metric in
     the same seed's unconstrained run; targets are interpolated linearly between its probes.
+    cov: the running input covariances, for shape, temperature and match_scale.
     All controlled heads of all layers are decomposed and projected as one batch (one eigh / SVD
     call per step), so the control's cost does not grow with Python loops over heads.
     """
@@ -175,6 +242,7 @@ class SpectrumControl:
     sv0: dict[int, Tensor]  # layer -> (H, E) initial singular values of the controlled object
     total_steps: int
     baseline: tuple[np.ndarray, np.ndarray] | None = None
+    cov: RunningCovariance | None = None
     _sv0_all: Tensor | None = field(default=None, init=False, repr=False)
 
     @classmethod
@@ -196,15 +264,16 @@ class SpectrumControl:
         for h in heads:
             if not 0 <= h < w_k[0].shape[0]:
                 raise ValueError(f"intervention head {h} does not exist (layers have {w_k[0].shape[0]} heads)")
-        if cfg.kind in ("contract", "expand") and cfg.reference == "baseline":
+        if cfg.kind != "hold" and cfg.reference == "baseline":
             if baseline is None:
-                raise ValueError("intervention.reference = 'baseline' needs the baseline run's spectra")
+                raise ValueError("intervention.reference = 'baseline' needs the baseline run's probe values")
             if baseline[1].shape[:2] != (len(w_k), w_k[0].shape[0]):
                 raise ValueError(
                     f"baseline run has {baseline[1].shape[:2]} (layers, heads), this model "
                     f"{(len(w_k), w_k[0].shape[0])}"
                 )
-        ctl = cls(cfg, {li: heads for li in layers}, {}, total_steps, baseline)
+        cov = RunningCovariance(cfg.cov_decay) if needs_covariance(cfg) else None
+        ctl = cls(cfg, {li: heads for li in layers}, {}, total_steps, baseline, cov)
         ctl.sv0 = {li: ctl.spectrum(w_q, w_k, li) for li in layers}
         return ctl
 
@@ -225,6 +294,16 @@ class SpectrumControl:
         parts = [w[li] if len(heads) == n_heads else w[li][heads] for li, heads in self.targets.items()]
         return torch.cat(parts).to(torch.float64)
 
+    def _covariances(self) -> tuple[Tensor, Tensor]:
+        """The running input covariance (N, D, D) and mean (N, D) of each controlled head's layer."""
+        if self.cov is None or any(li not in self.cov.cov for li in self.targets):
+            raise RuntimeError("the control needs the running input covariance: no training batch has been seen")
+        items = self.targets.items()
+        return (
+            torch.cat([self.cov.cov[li].expand(len(heads), -1, -1) for li, heads in items]),
+            torch.cat([self.cov.mean[li].expand(len(heads), -1) for li, heads in items]),
+        )
+
     def _scatter(self, w: list[Tensor], new: Tensor, act: Tensor) -> None:
         """Write the rows of `new` (N, D, E) whose `act` is set back into their heads, in place."""
         new, i = new.to(w[0].dtype), 0
@@ -238,24 +317,26 @@ class SpectrumControl:
             i += len(heads)
 
     def spectrum(self, w_q: list[Tensor], w_k: list[Tensor], layer: int) -> Tensor:
-        """Singular values (H, E) of the controlled object of every head of `layer`."""
+        """Singular values (H, E) of the controlled weight object (`on`) of every head of `layer`."""
         if self.cfg.on == "key":
             return singular_values(w_k[layer])
         return interaction_singular_values(w_q[layer], w_k[layer])
 
     def target_prs(self, step: int) -> Tensor:
-        """The PR (N,) each controlled head is steered to (hold: its initial PR), clipped to the feasible
-        [1, E]; heads in the order of `_pairs`."""
+        """What each controlled head (N,) is steered to, in the order of `_pairs`: a PR (hold: its initial
+        PR), clipped to the feasible [1, E]; for temperature a logit scale."""
         pairs, sv0 = self._pairs, self._initial()
-        pr0 = participation_ratio(sv0**2)
         if self.cfg.kind == "hold":
-            target = pr0
+            target = participation_ratio(sv0**2)
         elif self.cfg.reference == "initial":
+            pr0 = participation_ratio(sv0**2)
             target = scheduled_target(pr0, step, self.total_steps, self.cfg.ratio, self.cfg.reach_fraction)
         else:
             steps, values = self.baseline
-            ref = [np.interp(step, steps, values[li, h]) for li, h in pairs]
-            target = self.cfg.ratio * torch.tensor(ref, dtype=torch.float64)
+            ref = torch.tensor([np.interp(step, steps, values[li, h]) for li, h in pairs], dtype=torch.float64)
+            if self.cfg.kind == "temperature":
+                return self.cfg.ratio**2 * ref  # logits x ratio: their mean square x ratio^2
+            target = self.cfg.ratio * ref
         return target.clamp(1.0, float(sv0.shape[-1]))  # a PR lies in [1, E]
 
     def target_pr(self, layer: int, head: int, step: int) -> float:
@@ -267,46 +348,70 @@ class SpectrumControl:
         """Overwrite the controlled heads after optimiser step `step` (float64 maths, one batch)."""
         if not self.targets:
             return
-        sel_k = self._gather(w_k)  # (N, D, E)
-        if self.cfg.on == "key":
-            s, v = key_spectrum(sel_k)
+        kind = self.cfg.kind
+        sel_q, sel_k = self._gather(w_q), self._gather(w_k)  # (N, D, E)
+        cov, mean = self._covariances() if self.cov is not None else (None, None)
+        scale0 = logit_scale(sel_q, sel_k, cov, mean) if self.cfg.match_scale else None
+        act = torch.ones(len(sel_k), dtype=torch.bool)
+        new_q = sel_q
+        if kind == "shape":
+            new_k, _, _ = key_shape_map(sel_k, cov, self.target_prs(step), self.cfg.floor)
+        elif kind == "temperature":
+            new_q, new_k = match_logit_scale(sel_q, sel_k, cov, self.target_prs(step), mean)
         else:
-            sel_q = self._gather(w_q)
-            svd = interaction_svd(sel_q, sel_k)
-            s = svd[0]
-        if self.cfg.kind == "hold":
-            s_new, act = hold_profile(s, self._initial()), torch.ones(len(s), dtype=torch.bool)
-        else:
-            target = self.target_prs(step)
-            current = participation_ratio(s**2)
-            if self.cfg.mode == "two-sided":
-                act = torch.ones_like(current, dtype=torch.bool)
-            else:  # one-sided: a ceiling (contract) acts only above the target, a floor (expand) only below
-                act = current > target if self.cfg.kind == "contract" else current < target
-            if not bool(act.any()):
-                return  # no head crossed its ceiling / floor: weights stay bit-identical
-            s_new = torch.where(act.unsqueeze(-1), profiles_with_pr(s, target), s)
-        if self.cfg.on == "key":
-            new_k = set_key_spectrum(sel_k, s, v, s_new)
-        else:
-            new_q, new_k = _set_interaction(sel_q, sel_k, svd, s_new)
+            if self.cfg.on == "key":
+                s, v = key_spectrum(sel_k)
+            else:
+                svd = interaction_svd(sel_q, sel_k)
+                s = svd[0]
+            if kind == "hold":
+                s_new = hold_profile(s, self._initial())
+            else:
+                target = self.target_prs(step)
+                current = participation_ratio(s**2)
+                if self.cfg.mode == "one-sided":  # a ceiling (contract) acts only above the target, a floor below
+                    act = current > target if kind == "contract" else current < target
+                if not bool(act.any()):
+                    return  # no head crossed its ceiling / floor: weights stay bit-identical
+                s_new = torch.where(act.unsqueeze(-1), profiles_with_pr(s, target), s)
+            if self.cfg.on == "key":
+                new_k = set_key_spectrum(sel_k, s, v, s_new)
+            else:
+                new_q, new_k = _set_interaction(sel_q, sel_k, svd, s_new)
+        if scale0 is not None:
+            new_q, new_k = match_logit_scale(new_q, new_k, cov, scale0, mean)
+        if new_q is not sel_q:
             self._scatter(w_q, new_q, act)
         self._scatter(w_k, new_k, act)
 
     def rows(self, step: int) -> list[dict]:
-        """Target rows (`<controlled metric>_target`) of the controlled heads, next to the achieved value."""
-        metric = CONTROLLED_METRIC[self.cfg.on] + "_target"
-        targets = self.target_prs(step).tolist() if self.targets else []
-        return [
-            {"layer": li, "head": h, "site": "none", "metric": metric, "value": t}
-            for (li, h), t in zip(self._pairs, targets, strict=True)
+        """Target rows (`<controlled metric>_target`) of the controlled heads, next to the achieved value;
+        for shape also whether the floor raised the head's target (1 / 0)."""
+        if not self.targets:
+            return []
+        metric = controlled_metric(self.cfg)
+        out = [
+            {"layer": li, "head": h, "site": "none", "metric": metric + "_target", "value": t}
+            for (li, h), t in zip(self._pairs, self.target_prs(step).tolist(), strict=True)
         ]
+        if self.cfg.kind == "shape":
+            raised = (self.target_prs(step) < self.cfg.floor).tolist()
+            out += [
+                {"layer": li, "head": h, "site": "none", "metric": FLOOR_METRIC, "value": float(r)}
+                for (li, h), r in zip(self._pairs, raised, strict=True)
+            ]
+        return out
 
     def state_dict(self) -> dict:
-        return {"sv0": {str(k): v for k, v in self.sv0.items()}}
+        state = {"sv0": {str(k): v for k, v in self.sv0.items()}}
+        if self.cov is not None:
+            state["cov"] = self.cov.state_dict()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.sv0 = {int(k): v for k, v in state["sv0"].items()}
+        if self.cov is not None and "cov" in state:
+            self.cov.load_state_dict(state["cov"])
         self._sv0_all = None
 
 
@@ -316,20 +421,30 @@ class SpectrumControl:
 # residual stream x at the attention block, as the probe batch or a running estimate gives it.
 
 
-def logit_scale(w_q: Tensor, w_k: Tensor, cov_x: Tensor) -> Tensor:
-    """Input-weighted logit scale per head, tr(M C M^T C) with M = W_Q W_K^T / sqrt(E): the expected
-    squared centred logit q.k / sqrt(E) for independent x, x' of covariance C (the per-row logit
-    variance up to centring). w_q, w_k (H, D, E); cov_x (D, D); returns (H,) in float64."""
+def logit_scale(w_q: Tensor, w_k: Tensor, cov_x: Tensor, mean_x: Tensor | None = None) -> Tensor:
+    """Input-weighted logit scale per head: the expected variance of a query's logits q.k / sqrt(E) over
+    keys, for queries and keys drawn from inputs x of mean mu and centred covariance C,
+    tr(M C M^T S) with M = W_Q W_K^T / sqrt(E) and S = C + mu mu^T. Within one row the key mean shifts
+    every logit alike and cancels; the query mean does not (q^T Cov(k) q keeps it), and where the
+    residual stream has a strong mean direction it carries most of the per-row logit spread. With
+    mean_x None (or zero) this is tr(M C M^T C), the spec's formula for centred inputs.
+    w_q, w_k (H, D, E); cov_x (D, D) or (H, D, D); mean_x (D,) or (H, D); returns (H,) in float64."""
     w_q, w_k, c = w_q.to(torch.float64), w_k.to(torch.float64), cov_x.to(torch.float64)
+    s = c
+    if mean_x is not None:
+        mu = mean_x.to(torch.float64)
+        s = c + mu.unsqueeze(-1) * mu.unsqueeze(-2)
     m = w_q @ w_k.transpose(-1, -2) / w_q.shape[-1] ** 0.5  # (H, D, D)
-    mc, mtc = m @ c, m.transpose(-1, -2) @ c
-    return (mc * mtc.transpose(-1, -2)).sum((-2, -1))  # tr((M C)(M^T C)) without forming the product
+    mc, mts = m @ c, m.transpose(-1, -2) @ s
+    return (mc * mts.transpose(-1, -2)).sum((-2, -1))  # tr((M C)(M^T S)) without forming the product
 
 
-def match_logit_scale(w_q: Tensor, w_k: Tensor, cov_x: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+def match_logit_scale(
+    w_q: Tensor, w_k: Tensor, cov_x: Tensor, target: Tensor, mean_x: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     """W_Q, W_K each rescaled by sqrt(gamma) per head (M by gamma) so that logit_scale = target (H,):
     gamma = sqrt(target / current). Every singular-value profile keeps its shape."""
-    gamma = (target.to(torch.float64) / logit_scale(w_q, w_k, cov_x)).sqrt()
+    gamma = (target.to(torch.float64) / logit_scale(w_q, w_k, cov_x, mean_x)).sqrt()
     f = gamma.sqrt()[:, None, None]
     return (w_q.to(torch.float64) * f).to(w_q.dtype), (w_k.to(torch.float64) * f).to(w_k.dtype)
 

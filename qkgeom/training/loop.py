@@ -95,8 +95,9 @@ def divergence(model: torch.nn.Module) -> str | None:
 
 def baseline_spectra(iv: C.InterventionConfig, rd: RunDir) -> tuple[np.ndarray, np.ndarray] | None:
     """For reference = baseline: (probe steps (n,), controlled metric (L, H, n)) of the finished `none`
-    run named by intervention.baseline (relative to this run's parent folder)."""
-    if iv.kind not in ("contract", "expand") or iv.reference != "baseline":
+    run named by intervention.baseline (relative to this run's parent folder); the metric is
+    interventions.controlled_metric (weight PR, activation PR_K or logit scale)."""
+    if iv.kind in ("none", "hold") or iv.reference != "baseline":
         return None
     if not iv.baseline:
         raise TrainingError(
@@ -107,7 +108,10 @@ def baseline_spectra(iv: C.InterventionConfig, rd: RunDir) -> tuple[np.ndarray, 
     if not base.is_done():
         raise TrainingError(f"baseline run {base.path} is not finished (train the none run first)")
     g = base.read_geometry()
-    g = g[(g["metric"] == I.CONTROLLED_METRIC[iv.on]) & (g["head"] >= 0)]
+    metric = I.controlled_metric(iv)
+    g = g[(g["metric"] == metric) & (g["head"] >= 0) & (g["site"] == "none")]
+    if g.empty:
+        raise TrainingError(f"baseline run {base.path} has no per-head {metric!r} rows (probed by an older qkgeom?)")
     table = g.pivot_table(index=["layer", "head"], columns="step", values="value")  # (L*H, n)
     n_layers, n_heads = table.index.levshape
     return table.columns.to_numpy(), table.to_numpy().reshape(n_layers, n_heads, -1)
@@ -252,6 +256,9 @@ class _Run:
         self.control = I.SpectrumControl.create(
             cfg.intervention, self.w_q, self.w_k, t.steps, baseline_spectra(cfg.intervention, rd)
         )
+        if self.control.cov is not None:  # the running input covariance, fed by the training forwards
+            for li, block in enumerate(self.model.blocks):
+                block.hook_attn_in.register_forward_hook(self.control.cov.hook(li))
         n_probe = C.probe_n_seqs(cfg)
         offsets = fixed_offsets(len(self.valid_data), m.n_ctx, n_probe)
         self.probe_idx = torch.from_numpy(gather(self.valid_data, offsets, m.n_ctx)[0]).to(self.device)
