@@ -176,6 +176,12 @@ class InterventionConfig:
     cov_decay: float = 0.9
     """shape, temperature, match_scale: the running centred covariance C of each layer's attention
     input is an exponential average over training batches with this decay per step."""
+    instant: tuple[str, ...] = ()
+    """The zero-training complement: arm labels (`shape:activation:0.7:matched`, `hold:key:matched`,
+    `temperature:logit:0.5`, ... as tables name them) whose map is applied to a copy of this run's
+    weights at every regular probe (multiples of probe.every) without any training, relative to this
+    run itself; the change of attention entropy is recorded per head (metric
+    `attention_entropy_instant_change`, site = the arm). Set on a study's none runs."""
     layers: tuple[int, ...] = ()
     """Layers controlled; empty means all."""
     heads: tuple[int, ...] = ()
@@ -325,8 +331,36 @@ MAX_CTX = 8192  # a T x T probe pattern per head beyond this does not fit a work
 SAFE_NAME = re.compile(r"[A-Za-z0-9_=,+\-][A-Za-z0-9._=,+\-]*")
 
 
+def arm_config(label: str) -> InterventionConfig:
+    """The intervention an arm label names (the inverse of analysis.runs.arm_label): `none`,
+    `hold:key[:matched]`, `<kind>:<on>:<ratio>[:matched]`; shape and temperature relative to a baseline."""
+    parts = label.split(":")
+    matched = parts[-1] == "matched"
+    parts = parts[:-1] if matched else parts
+    kind = parts[0]
+    ok = kind in INTERVENTIONS and len(parts) == (1 if kind == "none" else 2 if kind == "hold" else 3)
+    try:
+        ratio = float(parts[2]) if len(parts) == 3 else 1.0
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ConfigError(
+            f"arm label {label!r} is not none, hold:<on>[:matched] or <kind>:<on>:<ratio>[:matched] "
+            f"(kind one of {INTERVENTIONS})"
+        )
+    on = parts[1] if kind in ("hold", "contract", "expand") else "key"
+    return InterventionConfig(
+        kind=kind, on=on, ratio=ratio, match_scale=matched, reference="baseline", mode="two-sided"
+    )
+
+
 # config keys added after studies had committed their run ids (causal v3), with their defaults
-HASHED_ONLY_IF_SET = {"intervention.match_scale": False, "intervention.floor": 1.5, "intervention.cov_decay": 0.9}
+HASHED_ONLY_IF_SET = {
+    "intervention.match_scale": False,
+    "intervention.floor": 1.5,
+    "intervention.cov_decay": 0.9,
+    "intervention.instant": [],
+}
 
 
 def run_id(cfg: RunConfig) -> str:
@@ -422,6 +456,8 @@ def validate(cfg: RunConfig) -> None:
     )
     need(iv.floor >= 1, f"intervention.floor must be >= 1 (a PR), got {iv.floor}")
     need(0 <= iv.cov_decay < 1, f"intervention.cov_decay must be in [0, 1), got {iv.cov_decay}")
+    for label in iv.instant:
+        arm_config(label)  # raises ConfigError naming a malformed label
 
     bad_layers = [x for x in iv.layers if not 0 <= x < m.n_layers]
     need(not bad_layers, f"intervention.layers {bad_layers} do not exist (model has {m.n_layers} layers)")

@@ -104,3 +104,84 @@ def test_headline_has_one_row_per_arm_with_its_check_and_outcome():
     assert h.loc["contract:key:0.6", "manipulation check"].startswith("manipulation ok (activation PR_K -0.4 ")
     assert h.loc["contract:key:0.6", "verdict"] == "holds" and h.loc["contract:key:0.6", "n"] == 5
     assert h.loc["hold:key", "verdict"] == "manipulation failed"  # PR_K unmoved: its outcome is not read
+
+
+def test_shape_arms_at_matched_scale_known_dose_response_and_scale_gate():
+    """Shape arms: log PR_K = log 4 + log r exactly (full delivery), entropy = 2 + b_s log PR_K ratio;
+    the dose-response at matched scale recovers mean b_s, and the scale check reads the per-row logit
+    std: within 1% it passes; an arm 10% off is not read (numbers kept, verdict says why)."""
+    b = {s: 0.2 * (1 + 0.1 * s) for s in SEEDS}
+
+    def arm(r, row_std=1.0):
+        return lambda p, s, layer: {
+            "key_participation_ratio": 4 * r,
+            "attention_entropy": 2 + b[s] * np.log(r),
+            "logit_row_std": row_std * (1 + 0.002 * s),
+            "input_logit_scale": 1.0,
+        }
+
+    def run(std_14):
+        arms = (
+            ("none", 1.0, 1.0),
+            ("shape:activation:0.7:matched", 0.7, 1.005),
+            ("shape:activation:1.4:matched", 1.4, std_14),
+        )
+        frames = [synthetic(seeds=SEEDS, inits=("independent",), intervention=k, fn=arm(r, sd)) for k, r, sd in arms]
+        df = pd.concat(frames)
+        return causal.claims_intervention(df, _metrics(df, lambda k, t, s: 1.0))
+
+    c = run(1.0)
+    group = "none + shape on the key activations' PR (shape) at matched logit scale"
+    dose = claim(c, causal.SHAPE_DOSE_CLAIM, group, "post-transient")
+    assert dose["value"] == pytest.approx(np.mean(list(b.values()))) and dose["verdict"] == "holds"
+    check = claim(c, "shape:activation:0.7:matched - none: scale check, log per-row logit std (TOST +-5%)",
+                  "mean over layers", "post-transient")  # fmt: skip
+    assert check["verdict"] == "scale matched" and check["value"] == pytest.approx(np.log(1.005))
+    delivered = claim(c, "shape:activation:0.7:matched - none: delivered dose, log activation PR_K ratio "
+                      "(assigned -0.357)", "mean over layers", "post-transient")  # fmt: skip
+    assert delivered["value"] == pytest.approx(np.log(0.7))
+    c = run(1.10)
+    check = claim(c, "shape:activation:1.4:matched - none: scale check, log per-row logit std (TOST +-5%)",
+                  "mean over layers", "post-transient")  # fmt: skip
+    assert check["verdict"] == "scale not matched"
+    dose = claim(c, causal.SHAPE_DOSE_CLAIM, group, "post-transient")
+    assert dose["value"] == pytest.approx(np.mean(list(b.values())))  # the number is kept ...
+    assert dose["verdict"] == "scale not matched (shape:activation:1.4:matched)"  # ... not read
+    out = claim(c, "shape:activation:1.4:matched - none: attention entropy (nats)", "mean over layers",
+                "post-transient")  # fmt: skip
+    assert out["verdict"] == "scale not matched"
+
+
+def test_temperature_scale_path_and_instantaneous_complement_known_values():
+    """Temperature 0.5: the logit scale x 0.25 (log factor log 0.5), entropy + c_s; the scale path is
+    mean(c) / log 0.5 by Fieller (exact: the denominator has no spread). The none runs carry an
+    instantaneous change d_s for the arm; the learned effect is c_s - d_s."""
+    c_s = {s: 0.3 + 0.01 * s for s in SEEDS}
+    d_s = {s: 0.1 + 0.02 * s for s in SEEDS}
+
+    def arm(scale, de):
+        return lambda p, s, layer: {
+            "input_logit_scale": scale,
+            "attention_entropy": 2 + de * c_s[s],
+            "query_participation_ratio": 5.0,
+            "key_participation_ratio": 3.0,
+        }
+
+    df = pd.concat(
+        [
+            synthetic(seeds=SEEDS, inits=("independent",), intervention="none", fn=arm(1.0, 0)),
+            synthetic(seeds=SEEDS, inits=("independent",), intervention="temperature:logit:0.5", fn=arm(0.25, 1)),
+        ]
+    )
+    none = df[(df.intervention == "none") & (df.metric == "attention_entropy")]
+    inst = none.assign(metric=causal.INSTANT_METRIC, site="temperature:logit:0.5", value=none["seed"].map(d_s))
+    df = pd.concat([df, inst])
+    c = causal.claims_intervention(df, _metrics(df, lambda k, t, s: 1.0))
+    path = claim(c, "temperature:logit:0.5: attention entropy per unit delivered log logit factor (the scale path)",
+                 "mean over layers", "post-transient")  # fmt: skip
+    assert path["value"] == pytest.approx(np.mean(list(c_s.values())) / np.log(0.5)) and path["verdict"] == "holds"
+    out = claim(c, "temperature:logit:0.5 - none: attention entropy (nats)", "mean over layers", "post-transient")
+    assert out["predicted"] == "+" and out["verdict"] == "holds"  # a lower temperature softens attention
+    learned = claim(c, "temperature:logit:0.5 - none: learned effect (trained - instantaneous), attention entropy "
+                    "(nats)", "mean over layers", "post-transient")  # fmt: skip
+    assert learned["value"] == pytest.approx(np.mean([c_s[s] - d_s[s] for s in SEEDS]))

@@ -471,3 +471,33 @@ def test_shape_and_temperature_arms_in_training_track_the_none_run(tmp_path):
     # early phase by up to ~4x; over the run the median head is within 15%
     ratio = np.log(per_head(g, "input_logit_scale").loc[target.index][later] / target[later])
     assert np.abs(ratio).max() < np.log(5) and abs(np.median(ratio)) < 0.15
+
+
+def test_arm_labels_round_trip_and_bad_labels_are_named():
+    from qkgeom.analysis.runs import arm_label
+
+    for label in ("none", "hold:key", "hold:key:matched", "contract:interaction:0.4", "shape:activation:0.7:matched",
+                  "temperature:logit:0.5"):  # fmt: skip
+        iv = C.to_dict(C.RunConfig(intervention=C.arm_config(label)))["intervention"]
+        assert arm_label(iv) == label
+    with pytest.raises(C.ConfigError, match="arm label 'shape:0.7'"):
+        C.validate(tiny_config(intervention={"instant": ["shape:0.7"]}))
+
+
+@pytest.mark.usefixtures("wikitext")
+def test_zero_training_complement_on_a_none_run(tmp_path):
+    """At every regular probe each arm's map is applied to a copy of the weights, no training: identity
+    maps (ratio 1) change nothing, a lower temperature softens every first-layer head (softmax entropy
+    falls with inverse temperature, row by row), and the run itself is untouched."""
+    labels = ["shape:activation:1:matched", "temperature:logit:1", "temperature:logit:0.5", "hold:key:matched"]
+    plain = train(tiny_config(train={"steps": 20}), tmp_path / "plain", progress=False)
+    rd = train(tiny_config(train={"steps": 20}, intervention={"instant": labels}), tmp_path / "none", progress=False)
+    assert [r["loss"] for r in rd.read_metrics()] == [r["loss"] for r in plain.read_metrics()]
+    g = rd.read_geometry()
+    inst = g[g.metric == I.INSTANT_METRIC]
+    assert sorted(inst.step.unique()) == [10, 20] and set(inst.site) == set(labels)
+    per = inst[inst["head"] >= 0].set_index(["site", "step", "layer", "head"])["value"]
+    assert per.loc["shape:activation:1:matched"].abs().max() < 1e-4
+    assert per.loc["temperature:logit:1"].abs().max() < 1e-4
+    assert (per.loc["temperature:logit:0.5"].xs(0, level="layer") > 0).all()
+    assert np.isfinite(per.loc["hold:key:matched"]).all()  # near init (20 steps) hold barely moves it

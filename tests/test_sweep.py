@@ -84,3 +84,25 @@ def test_pool_isolates_failures_skips_finished_and_matches_train(tmp_path):
         torch.set_num_threads(before)
     a, b = RunDir(out / r.run_id).read_metrics(), direct.read_metrics()
     assert [(x["step"], x["loss"]) for x in a] == [(x["step"], x["loss"]) for x in b]
+
+
+def test_seed_order_runs_whole_seeds_baselines_first(tmp_path):
+    """order = "seed": groups of `workers` seeds, each group's none runs before its relative arms."""
+    from qkgeom.training.sweep import _chunks, expand, load_sweep
+
+    path = tmp_path / "s.toml"
+    path.write_text(
+        '[sweep]\nname = "s"\nbase = "tiny"\norder = "seed"\n'
+        '[grid]\n"intervention.kind,intervention.ratio" = [["none", 1.0], ["contract", 0.5]]\n'
+        '"train.seed" = [0, 1, 2]\n'
+    )
+    runs = expand(load_sweep(path))
+    chunks = _chunks("seed", runs, 2)
+    assert [sorted({r.config.train.seed for r in c}) for c in chunks] == [[0, 1], [2]]
+    assert all(
+        r.config.intervention.baseline in {b.run_id for b in c}
+        for c in chunks
+        for r in c
+        if r.config.intervention.baseline
+    )
+    assert _chunks("", runs, 2) == [runs]

@@ -30,15 +30,30 @@ from qkgeom.analysis.claims import _finish, claim_row, layer_metric, seed_row, t
 PREDICTED_SIGN = {"contract": -1, "expand": +1, "hold": +1}
 # The activation-side mediator a manipulation must move before its outcome is read: the key
 # activations for a control on W_K, the logit (Q K^T) spectrum for a control on W_Q W_K^T.
-CHECK_MEDIATOR = {"key": "key_participation_ratio", "interaction": "logit_participation_ratio"}
+# The causal v3 kinds (study-causal-shape-cpu) steer the key activations' PR (`activation`) or the
+# input-weighted logit scale (`logit`) directly.
+CHECK_MEDIATOR = {
+    "key": "key_participation_ratio",
+    "interaction": "logit_participation_ratio",
+    "activation": "key_participation_ratio",
+    "logit": "input_logit_scale",
+}
 MEDIATORS = (
     ("key_weight_participation_ratio", "weight PR_K"),
     ("key_participation_ratio", "activation PR_K"),
     ("interaction_rank", "interaction rank"),
     ("logit_participation_ratio", "logit-spectrum PR"),
+    ("input_logit_scale", "input logit scale"),
+    ("logit_row_std", "per-row logit std"),
+    ("logit_row_std_cv", "CV of per-query logit std (the Jensen channel)"),
 )
 LABEL = dict(MEDIATORS)
-TARGET = {"key": "W_K", "interaction": "W_Q W_K^T"}
+TARGET = {"key": "W_K", "interaction": "W_Q W_K^T", "activation": "the key activations' PR (shape)"}
+# a matched-scale arm's per-row logit std must lie within +-5% of none's (TOST, 90% interval of the
+# per-seed log ratio) before its outcome is read
+SCALE_MARGIN = float(np.log(1.05))
+SHAPE_DOSE_CLAIM = "dose-response at matched logit scale: slope of attention entropy on log activation PR_K"
+INSTANT_METRIC = "attention_entropy_instant_change"  # training.interventions.INSTANT_METRIC
 DOSE_CLAIM = "dose-response: slope of attention entropy on log activation PR_K"  # the pre-registered name
 MATCHED_ARM = "hold:key"
 
@@ -48,6 +63,17 @@ def parse_arm(arm: str) -> tuple[str, str, float]:
     a `:matched` suffix (matched logit scale) is dropped: is_matched() reads it."""
     parts = [p for p in arm.split(":") if p != "matched"]
     return parts[0], parts[1] if len(parts) > 1 else "key", float(parts[2]) if len(parts) > 2 else 1.0
+
+
+def arm_signs(arm: str) -> tuple[int, int, str]:
+    """(intended sign of the arm's move on its check mediator, predicted sign of its effect on attention
+    entropy, the check mediator). A lower temperature (ratio < 1) lowers the logit scale and raises
+    entropy; the other kinds move both the same way."""
+    kind, on, ratio = parse_arm(arm)
+    if kind in ("shape", "temperature"):
+        s = 1 if ratio > 1 else -1
+        return s, (s if kind == "shape" else -s), CHECK_MEDIATOR[on]
+    return PREDICTED_SIGN[kind], PREDICTED_SIGN[kind], CHECK_MEDIATOR[on]
 
 
 def is_matched(arm: str) -> bool:
@@ -119,7 +145,7 @@ def dose_points(df: pd.DataFrame) -> pd.DataFrame:
 def _dose_points(df: pd.DataFrame) -> pd.DataFrame:
     """dose_points of a frame that already has the seed window (with_seed_window)."""
     pts = pd.DataFrame({"entropy": arm_means(df, "attention_entropy")})
-    for metric in CHECK_MEDIATOR.values():
+    for metric in dict.fromkeys(CHECK_MEDIATOR.values()):
         if (df["metric"] == metric).any():
             pts[f"log_{metric}"] = np.log(arm_means(df, metric))
     pts = pts.reset_index()
@@ -128,6 +154,7 @@ def _dose_points(df: pd.DataFrame) -> pd.DataFrame:
     pts["kind"], pts["on"] = parsed.str[0], parsed.str[1]
     pts["log_ratio"] = np.log(parsed.str[2].astype(float))
     pts["in_fit"] = (pts["kind"] == "none") | (pts["kind"].isin(["contract", "expand"]) & (pts["on"] == "key"))
+    pts.loc[pts["kind"] == "shape", "in_fit"] = True  # the key activations' PR, steered directly
     return pts
 
 
@@ -144,18 +171,23 @@ def dose_response(pts: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out, columns=["seed", "slope", "intercept", "n_arms", "x_min", "x_max"])
 
 
-def causal_estimates(df: pd.DataFrame, note: str) -> list[dict]:
-    """Per target (W_K, W_Q W_K^T) with contract/expand arms: dose-response (>= 3 arms), reduced form,
-    first stage and IV, one value per seed, intervals over seeds (module docstring). `df` has the
-    seed window (with_seed_window)."""
+def causal_estimates(df: pd.DataFrame, note: str, unread: set[str] = frozenset()) -> list[dict]:
+    """Per target (W_K, W_Q W_K^T; the key activations' PR for the shape arms at matched scale) with
+    contract/expand/shape arms: dose-response (>= 3 arms), reduced form, first stage and IV, one value
+    per seed, intervals over seeds (module docstring). `df` has the seed window (with_seed_window).
+    unread: matched-scale arms whose scale check failed; a target with one gets no verdicts."""
     pts = _dose_points(df)
     rows: list[dict] = []
-    for on in ("key", "interaction"):
-        sel = pts[(pts["kind"] == "none") | (pts["kind"].isin(["contract", "expand"]) & (pts["on"] == on))]
+    for on in ("key", "interaction", "activation"):
+        kinds = ["shape"] if on == "activation" else ["contract", "expand"]
+        sel = pts[(pts["kind"] == "none") | (pts["kind"].isin(kinds) & (pts["on"] == on))]
         med = f"log_{CHECK_MEDIATOR[on]}"
         if sel["kind"].nunique() < 2 or med not in sel:
             continue
-        group, label = f"none + contract/expand on {TARGET[on]}", LABEL[CHECK_MEDIATOR[on]]
+        group, label = f"none + {'/'.join(kinds)} on {TARGET[on]}", LABEL[CHECK_MEDIATOR[on]]
+        if on == "activation":
+            group += " at matched logit scale"
+        blocked = sorted(set(sel["intervention"]) & set(unread))
         per_seed = pd.DataFrame(
             {
                 "reduced": sel.groupby("seed").apply(lambda g: stats.slope(g["log_ratio"], g["entropy"])),
@@ -168,7 +200,9 @@ def causal_estimates(df: pd.DataFrame, note: str) -> list[dict]:
             continue
         arms = int(per_seed["n_arms"].min())
         if arms >= 3:
-            name = DOSE_CLAIM if on == "key" else f"dose-response: slope of attention entropy on log {label}"
+            name = {"key": DOSE_CLAIM, "activation": SHAPE_DOSE_CLAIM}.get(
+                on, f"dose-response: slope of attention entropy on log {label}"
+            )
             v = per_seed["dose"].to_numpy()
             rows.append(
                 _verdict_row(
@@ -224,6 +258,107 @@ def causal_estimates(df: pd.DataFrame, note: str) -> list[dict]:
                 detail="mde_80 = reduced form's mde / mean first stage; unbounded interval: first stage too weak",
             )
         )
+        if blocked:  # read only at matched scale: the target's rows keep their numbers, not their verdicts
+            for r in rows:
+                if r["group"] == group and r.get("predicted") and not r["claim"].startswith("first stage"):
+                    r["verdict"] = f"scale not matched ({', '.join(blocked)})"
+    return rows
+
+
+def _log_paired(df: pd.DataFrame, metric: str, arm: str) -> pd.Series:
+    """Per seed: log(arm / none) of the window-mean, layer-mean metric."""
+    return _paired(np.log(arm_means(df, metric)), arm)
+
+
+def _delivered_dose_row(df: pd.DataFrame, arm: str, metric: str, note: str) -> list[dict]:
+    """The dose the arm delivered: log(arm / none) of its steered metric, beside the assigned log ratio
+    (2 log ratio for the logit scale, a mean square)."""
+    kind, _, ratio = parse_arm(arm)
+    assigned = (2 if kind == "temperature" else 1) * np.log(ratio)
+    r = _direction_row(
+        _log_paired(df, metric, arm),
+        f"{arm} - none: delivered dose, log {LABEL[metric]} ratio (assigned {assigned:+.3f})",
+        "mean over layers",
+        "post-transient",
+        None,
+        note,
+    )
+    return r
+
+
+def _scale_check_row(df: pd.DataFrame, arm: str, note: str) -> list[dict]:
+    """A matched-scale arm's scale check: per seed, log(arm / none) of the per-row logit std; `scale
+    matched` only if its 90% interval lies inside +-log 1.05 (TOST)."""
+    v = _log_paired(df, "logit_row_std", arm)
+    if v.empty:
+        return []
+    lo, hi, ok = stats.tost(v.to_numpy(), SCALE_MARGIN)
+    row = _direction_row(
+        v, f"{arm} - none: scale check, log per-row logit std (TOST +-5%)", "mean over layers", "post-transient",
+        None, note,
+    )[0]  # fmt: skip
+    row.update(
+        verdict="scale matched" if ok else "scale not matched",
+        margin=SCALE_MARGIN,
+        detail=f"90% CI [{lo:.4f}, {hi:.4f}] vs +-{SCALE_MARGIN:.4f}; " + row["detail"],
+    )
+    return [row]
+
+
+def temperature_rows(df: pd.DataFrame, note: str) -> list[dict]:
+    """The scale path: per temperature arm, attention entropy change per unit delivered log logit factor
+    (half the log ratio of the logit scale), Fieller's interval over seeds; predicted < 0."""
+    rows = []
+    for arm in sorted(a for a in df["intervention"].unique() if parse_arm(a)[0] == "temperature"):
+        ent = _paired(arm_means(df, "attention_entropy"), arm)
+        dose = 0.5 * _log_paired(df, "input_logit_scale", arm)
+        both = pd.concat({"ent": ent, "dose": dose}, axis=1).dropna()
+        if len(both) < 2:
+            continue
+        value, lo, hi = stats.fieller_ratio_ci(both["ent"].to_numpy(), both["dose"].to_numpy())
+        rows.append(
+            claim_row(
+                study="intervention",
+                claim=f"{arm}: attention entropy per unit delivered log logit factor (the scale path)",
+                group="mean over layers",
+                window="post-transient",
+                value=value,
+                lo=lo,
+                hi=hi,
+                n=len(both),
+                predicted="-",
+                verdict=stats.verdict(lo, hi, -1),
+                interval="95% Fieller over seeds",
+                window_start=note,
+                detail=f"entropy diffs {np.round(both['ent'].to_numpy(), 4).tolist()}; "
+                f"delivered log factors {np.round(both['dose'].to_numpy(), 4).tolist()}",
+            )
+        )
+    return rows
+
+
+def instant_rows(df: pd.DataFrame, note: str) -> list[dict]:
+    """The zero-training complement (intervention.instant on the none runs): per arm, the instantaneous
+    entropy change of its map on the none run's own weights (window mean, layer mean, per seed), and
+    the learned effect = the trained arm's entropy difference vs none minus that instantaneous change."""
+    inst = df[(df["metric"] == INSTANT_METRIC) & (df["head"] == -1) & (df["intervention"] == "none")]
+    inst = window(inst, "post-transient")
+    if inst.empty:
+        return []
+    rows = []
+    trained_all = arm_means(df, "attention_entropy")
+    for arm, g in inst.groupby("site"):
+        change = g.groupby("seed")["value"].mean()
+        rows += _direction_row(
+            change, f"{arm}: instantaneous entropy change of its map on none weights (no training)",
+            "mean over layers", "post-transient", None, note,
+        )  # fmt: skip
+        trained = _paired(trained_all, arm)
+        learned = (trained - change).dropna()
+        rows += _direction_row(
+            learned, f"{arm} - none: learned effect (trained - instantaneous), attention entropy (nats)",
+            "mean over layers", "post-transient", None, note,
+        )  # fmt: skip
     return rows
 
 
@@ -273,9 +408,10 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
     note = seed_window_note(df)
     rows: list[dict] = []
     arms = sorted(a for a in df["intervention"].unique() if a != "none")
+    unread: set[str] = set()  # matched-scale arms whose scale check failed: their outcomes are not read
     for arm in arms:
-        kind, on, _ = parse_arm(arm)
-        sign = PREDICTED_SIGN[kind]
+        kind, on, ratio = parse_arm(arm)
+        med_sign, sign, check = arm_signs(arm)
         check_ok = True
         for metric, label in MEDIATORS:
             r = _direction_row(
@@ -283,14 +419,22 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
                 f"{arm} - none: manipulation check, {label}",
                 "mean over layers",
                 "post-transient",
-                sign,
+                med_sign,
                 note,
             )
-            if r and metric == CHECK_MEDIATOR[on]:
+            if r and metric == check:
                 check_ok = r[0]["verdict"] == "holds"
                 r[0]["verdict"] = "manipulation ok" if check_ok else "manipulation failed"
                 r[0]["claim"] += " (the check)"
             rows += r
+        if kind in ("shape", "temperature"):
+            rows += _delivered_dose_row(df, arm, check, note)
+        if is_matched(arm):
+            scale = _scale_check_row(df, arm, note)
+            rows += scale
+            if scale and scale[0]["verdict"] != "scale matched":
+                check_ok = False
+                unread.add(arm)
         rows += _direction_row(
             _paired(arm_means(df, "logit_spectral_norm"), arm),
             f"{arm} - none: logit spectral norm",
@@ -307,7 +451,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
                 win,
                 sign,
                 note,
-                verdict=None if check_ok else "manipulation failed",
+                verdict=None if check_ok else "scale not matched" if arm in unread else "manipulation failed",
             )
             for layer, g in _in_window(layer_metric(df, "attention_entropy"), win).groupby("layer"):
                 rows += _direction_row(
@@ -323,7 +467,9 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
         rows += _direction_row(
             _paired(val, arm), f"{arm} - none: validation loss (nats/char)", "final", "final", None, note
         )
-    rows += causal_estimates(df, note)
+    rows += causal_estimates(df, note, unread)
+    rows += temperature_rows(df, note)
+    rows += instant_rows(df, note)
     if MATCHED_ARM in arms and len(metrics):
         m = _loss_matched(df, metrics, MATCHED_ARM)
         rows += _direction_row(

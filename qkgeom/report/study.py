@@ -25,7 +25,7 @@ from qkgeom.analysis import claims as A
 from qkgeom.analysis.context import context_sentence, study_context
 from qkgeom.families.study import FAMILY_DIR, write_family_tables
 from qkgeom.report import plots
-from qkgeom.results import REPORT_INDEX, SWEEP_MANIFEST, RunDir, atomic_write_bytes, read_json, write_table
+from qkgeom.results import RECORDS_DIR, REPORT_INDEX, SWEEP_MANIFEST, RunDir, atomic_write_bytes, read_json, write_table
 
 
 @dataclass
@@ -207,8 +207,12 @@ def _png(fig) -> bytes:
 
 
 def _run_dir(a: Analysis, run_id: str) -> RunDir:
-    """The folder of `run_id`: a sub-folder of the analysed path, or the path itself for one run."""
-    return RunDir(a.path / run_id if (a.path / run_id).is_dir() else a.path)
+    """The folder of `run_id`: a sub-folder of the analysed path (or of its records, runs/), or the path
+    itself for one run."""
+    for folder in (a.path / run_id, a.path / RECORDS_DIR / run_id):
+        if folder.is_dir():
+            return RunDir(folder)
+    return RunDir(a.path)
 
 
 def _spectra_by_init(a: Analysis) -> dict[str, tuple[np.ndarray, np.ndarray]]:

@@ -82,10 +82,11 @@ class RunningCovariance:
 
     @torch.no_grad()
     def update(self, layer: int, x: Tensor) -> None:
-        x = x.detach().reshape(-1, x.shape[-1]).to(torch.float64)
-        mu = x.mean(0)
-        xc = x - mu
-        c = xc.T @ xc / len(xc)
+        x = x.detach().reshape(-1, x.shape[-1]).float()
+        mu32 = x.mean(0)
+        xc = x - mu32  # the Gram in float32 (relative error ~1e-6), accumulated in float64
+        c = (xc.T @ xc).to(torch.float64) / len(xc)
+        mu = mu32.to(torch.float64)
         if layer not in self.cov:
             self.cov[layer], self.mean[layer] = c, mu
         else:
@@ -434,9 +435,10 @@ def logit_scale(w_q: Tensor, w_k: Tensor, cov_x: Tensor, mean_x: Tensor | None =
     if mean_x is not None:
         mu = mean_x.to(torch.float64)
         s = c + mu.unsqueeze(-1) * mu.unsqueeze(-2)
-    m = w_q @ w_k.transpose(-1, -2) / w_q.shape[-1] ** 0.5  # (H, D, D)
-    mc, mts = m @ c, m.transpose(-1, -2) @ s
-    return (mc * mts.transpose(-1, -2)).sum((-2, -1))  # tr((M C)(M^T S)) without forming the product
+    # tr(M C M^T S) = tr((W_K^T C W_K)(W_Q^T S W_Q)) / E: E x E products, not D x D
+    cov_k = w_k.transpose(-1, -2) @ c @ w_k
+    second_q = w_q.transpose(-1, -2) @ s @ w_q
+    return (cov_k * second_q.transpose(-1, -2)).sum((-2, -1)) / w_q.shape[-1]
 
 
 def match_logit_scale(
@@ -474,3 +476,74 @@ def key_shape_map(w_k: Tensor, cov_x: Tensor, target_pr: Tensor, floor: float = 
     a = torch.where(lam > 1e-12 * lam[..., :1], (lam_new / lam.clamp_min(1e-300)).sqrt(), torch.ones_like(lam))
     new = w @ (v * a.unsqueeze(-2)) @ v.transpose(-1, -2)
     return new.to(w_k.dtype), used, floored
+
+
+# --- the zero-training complement (causal v3): each arm's map on a copy of a run's weights, no training --
+
+
+INSTANT_METRIC = "attention_entropy_instant_change"
+
+
+def instant_controls(labels: tuple[str, ...], w_q: list[Tensor], w_k: list[Tensor], steps: int) -> list:
+    """(label, SpectrumControl) per arm label, built on the run's *initial* weights (hold's profile), each
+    relative to the run itself (its baseline is set at every use)."""
+    from qkgeom.config import arm_config
+
+    out = []
+    for label in labels:
+        cfg = arm_config(label)
+        flat = (np.array([0]), np.ones((len(w_k), w_k[0].shape[0], 1)))
+        out.append((label, SpectrumControl.create(cfg, w_q, w_k, steps, flat if cfg.kind != "hold" else None)))
+    return out
+
+
+@torch.no_grad()
+def entropy_and_inputs(model: torch.nn.Module, idx: Tensor) -> tuple[Tensor, dict[int, Tensor], dict[int, Tensor]]:
+    """One explicit forward of our GPT on idx: mean attention entropy (nats) per layer and head (L, H)
+    over the query rows that see >= 2 keys, and each layer's attention-input covariance and mean."""
+    from qkgeom.probing.geometry import attention_entropy
+    from qkgeom.probing.hooks import capture
+
+    n = len(model.blocks)
+    names = [f"blocks.{i}.{s}" for i in range(n) for s in ("hook_attn_in", "attn.hook_pattern")]
+    with capture(model, names) as store:
+        model(idx, explicit=True)
+    ent, covs, means = [], {}, {}
+    for i in range(n):
+        h, _ = attention_entropy(store[f"blocks.{i}.attn.hook_pattern"].to(torch.float64))  # (B, H, T)
+        ent.append(h[..., 1:].mean((0, 2)))
+        x = store[f"blocks.{i}.hook_attn_in"].reshape(-1, store[f"blocks.{i}.hook_attn_in"].shape[-1]).double()
+        means[i] = x.mean(0)
+        covs[i] = torch.cov(x.T, correction=0)
+    return torch.stack(ent), covs, means
+
+
+def instant_rows(model: torch.nn.Module, idx: Tensor, controls: list, step: int, current: dict[str, Tensor]) -> list:
+    """The zero-training complement at one probe: for each (label, control), its map applied to a copy
+    of `model` (targets relative to this run: `current[metric]` (L, H), its own probe values), and the
+    change of mean attention entropy per head and layer mean (metric INSTANT_METRIC, site = label). The
+    input covariances are the probe batch's, as the training control's are its batch's."""
+    import copy
+
+    from qkgeom.probing.probe import gpt_weights
+
+    before, covs, means = entropy_and_inputs(model, idx)
+    rows = []
+    for label, ctl in controls:
+        if ctl.cfg.kind != "hold":
+            ctl.baseline = (np.array([step]), current[controlled_metric(ctl.cfg)].cpu().numpy()[..., None])
+        if ctl.cov is not None:
+            ctl.cov.cov, ctl.cov.mean = covs, means
+        twin = copy.deepcopy(model)
+        w_q, w_k = gpt_weights(twin)
+        ctl.apply(w_q, w_k, step)
+        delta = (entropy_and_inputs(twin, idx)[0] - before).tolist()
+        for li, heads in enumerate(delta):
+            rows += [
+                {"layer": li, "head": h, "site": label, "metric": INSTANT_METRIC, "value": v}
+                for h, v in enumerate(heads)
+            ]
+            rows.append(
+                {"layer": li, "head": -1, "site": label, "metric": INSTANT_METRIC, "value": sum(heads) / len(heads)}
+            )
+    return rows

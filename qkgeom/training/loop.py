@@ -259,6 +259,11 @@ class _Run:
         if self.control.cov is not None:  # the running input covariance, fed by the training forwards
             for li, block in enumerate(self.model.blocks):
                 block.hook_attn_in.register_forward_hook(self.control.cov.hook(li))
+        if cfg.intervention.instant:  # the zero-training complement, built on the run's initial weights
+            w_q0, w_k0 = gpt_weights(GPT(m, corpus.vocab.size, seed=t.seed))
+            self.instant = I.instant_controls(cfg.intervention.instant, w_q0, w_k0, t.steps)
+        else:
+            self.instant = []
         n_probe = C.probe_n_seqs(cfg)
         offsets = fixed_offsets(len(self.valid_data), m.n_ctx, n_probe)
         self.probe_idx = torch.from_numpy(gather(self.valid_data, offsets, m.n_ctx)[0]).to(self.device)
@@ -341,12 +346,26 @@ class _Run:
         for w in caught:  # a numerical fallback is recorded, never fatal
             self.rd.append_warning({"step": step, "warning": str(w.message)})
         rows += self.control.rows(step)
+        if self.instant and step > 0 and step % self.cfg.probe.every == 0:
+            rows += self._instant(step, rows)
         self.model.train()
         rows = [{"step": step, "tokens_seen": step * self.tokens_per_step, **r} for r in rows]
         self.rd.append_probe(step, rows, spec)  # one part per probe: linear I/O over a run
         if self.tb is not None:
             self.tb.write(step, rows)
         self.probe_seconds += time.perf_counter() - tic
+
+    def _instant(self, step: int, rows: list[dict]) -> list[dict]:
+        """The zero-training complement at this probe, relative to this run's own probe values."""
+        n_layers, n_heads = len(self.w_k), self.w_k[0].shape[0]
+        current = {}
+        for metric in {I.controlled_metric(ctl.cfg) for _, ctl in self.instant}:
+            table = torch.full((n_layers, n_heads), float("nan"), dtype=torch.float64)
+            for r in rows:
+                if r["metric"] == metric and r["head"] >= 0 and r["site"] == "none":
+                    table[r["layer"], r["head"]] = r["value"]
+            current[metric] = table
+        return I.instant_rows(self.model, self.probe_idx, self.instant, step, current)
 
     def evaluate(self, step: int) -> None:
         self.check_finite(step)

@@ -137,7 +137,10 @@ def expand(spec: SweepSpec) -> list[RunSpec]:
     runs = []
     for combo in itertools.product(*axes):
         overrides = {**spec.fixed, **{k: v for part in combo for k, v in part.items()}}
-        label = "_".join(f"{k.split('.')[-1]}={v}" for part in combo for k, v in part.items())
+        # a list value is named by its length (its items are in config.json), so names stay short
+        label = "_".join(
+            f"{k.split('.')[-1]}={len(v) if isinstance(v, list) else v}" for part in combo for k, v in part.items()
+        )
         strings = [_as_override(k, v) for k, v in overrides.items()] + [_as_override("name", C.safe_name(label))]
         try:
             cfg = C.load(spec.base, strings)
@@ -201,6 +204,16 @@ def _run_order(order: str, r: RunSpec) -> tuple:
     """Sort key: longest first (a depth-8 run never starts last), after the seed if order = "seed"."""
     cost = -run_cost(r.config)
     return (r.config.train.seed, cost) if order == "seed" else (cost,)
+
+
+def _chunks(order: str, todo: list[RunSpec], workers: int) -> list[list[RunSpec]]:
+    """The sweep in one piece, or with order = "seed" in groups of `workers` seeds (in seed order): the
+    baselines of a group, then its other runs, so that an interrupted study leaves whole seeds."""
+    if order != "seed":
+        return [todo]
+    seeds = sorted({r.config.train.seed for r in todo})
+    groups = [set(seeds[i : i + workers]) for i in range(0, len(seeds), workers)]
+    return [[r for r in todo if r.config.train.seed in g] for g in groups]
 
 
 def default_workers(n_runs: int) -> int:
@@ -331,11 +344,13 @@ def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_r
     threads = max(1, (os.cpu_count() or 1) // workers)
     tic = time.perf_counter()
     bar = CostBar(runs, result.skipped, spec.name, progress, out)
-    # baselines first: a contract/expand run reads its `none` run's finished spectra
-    first = [r for r in todo if not r.config.intervention.baseline]
-    then = [r for r in todo if r.config.intervention.baseline]
-    statuses = execute(first, out, workers, threads, executor, address, bar, gpus_per_run, on_done)
-    statuses += execute(then, out, workers, threads, executor, address, bar, gpus_per_run, on_done)
+    statuses = []
+    for chunk in _chunks(spec.order, todo, workers):
+        # baselines first: a run relative to its `none` run reads that run's finished probes
+        first = [r for r in chunk if not r.config.intervention.baseline]
+        then = [r for r in chunk if r.config.intervention.baseline]
+        statuses += execute(first, out, workers, threads, executor, address, bar, gpus_per_run, on_done)
+        statuses += execute(then, out, workers, threads, executor, address, bar, gpus_per_run, on_done)
     bar.close()
     for s in statuses:
         if s["status"] == "done":
