@@ -31,14 +31,17 @@ def load_runs(path: str | Path) -> pd.DataFrame:
     return _load_runs(path)
 
 
-def measure(q, k, pattern=None, causal: bool = True, w_q=None, w_k=None) -> pd.DataFrame:
-    """Geometry rows from your own q, k (and pattern), from any model (see qkgeom.probing.probe.measure)."""
+def measure(
+    q, k, pattern=None, causal: bool = True, w_q=None, w_k=None, pr_convention: str = "variance"
+) -> pd.DataFrame:
+    """Geometry rows from your own q, k (and pattern), from any model (see qkgeom.probing.probe.measure);
+    pr_convention: `variance` (default) or `singular` participation ratios."""
     from qkgeom.probing.probe import measure as _measure
 
-    return _measure(q, k, pattern, causal, w_q, w_k)
+    return _measure(q, k, pattern, causal, w_q, w_k, pr_convention)
 
 
-def analyse(model, batches, logit_max_seqs: int | None = 4) -> pd.DataFrame:
+def analyse(model, batches, logit_max_seqs: int | None = 4, pr_convention: str = "variance") -> pd.DataFrame:
     """Geometry rows of a supported Hugging Face model already in memory (see the README's table),
     streamed over `batches` of input ids (B, T): layer, head, site, metric, value. The model's own
     attention is used (captured through transformers' attention interface); nothing is written.
@@ -47,5 +50,5 @@ def analyse(model, batches, logit_max_seqs: int | None = 4) -> pd.DataFrame:
 
     from qkgeom.probing.hf import analyse_model
 
-    rows, _ = analyse_model(model, iter(batches), logit_max_seqs=logit_max_seqs)
+    rows, _ = analyse_model(model, iter(batches), logit_max_seqs=logit_max_seqs, pr_convention=pr_convention)
     return pd.DataFrame(rows)

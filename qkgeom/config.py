@@ -26,6 +26,7 @@ from qkgeom.errors import QKGeomError
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 QK_INITS = ("independent", "orthogonal", "tied", "anti_tied")
+PR_CONVENTIONS = ("variance", "singular")  # = probing.geometry.PR_CONVENTIONS (config may not import it)
 INTERVENTIONS = ("none", "hold", "contract", "expand", "shape", "temperature")
 # kinds whose target is ratio x the same seed's none run (always two-sided; they need its finished probes)
 BASELINE_KINDS = ("shape", "temperature")
@@ -141,6 +142,10 @@ class ProbeConfig:
     """Probe sequences whose logit (Q K^T) spectrum is taken, the first ones of the fixed batch
     (0 = all). Its T x T eigen-solves are a probe's costliest part; the logit PR and spectral norm are
     per-sequence averages, so a cap widens their sampling noise but adds no bias."""
+    pr_convention: str = "variance"
+    """Participation ratio of `variance`s (covariance eigenvalues, (sum l)^2 / sum l^2: qkgeom's) or of
+    `singular` values ((sum s)^2 / sum s^2, as public Pythia weight datasets compute it); every PR row
+    names its convention in the `note` column (docs/GLOSSARY.md relates the two)."""
 
 
 @dataclass(frozen=True)
@@ -360,6 +365,7 @@ HASHED_ONLY_IF_SET = {
     "intervention.floor": 1.5,
     "intervention.cov_decay": 0.9,
     "intervention.instant": [],
+    "probe.pr_convention": "variance",
 }
 
 
@@ -434,6 +440,10 @@ def validate(cfg: RunConfig) -> None:
     need(p.n_seqs >= 0, f"probe.n_seqs must be >= 0 (0 = automatic), got {p.n_seqs}")
     need(p.min_tokens_per_dim > 0, f"probe.min_tokens_per_dim must be positive, got {p.min_tokens_per_dim}")
     need(p.logit_max_seqs >= 0, f"probe.logit_max_seqs must be >= 0 (0 = all), got {p.logit_max_seqs}")
+    need(
+        p.pr_convention in PR_CONVENTIONS,
+        f"probe.pr_convention must be one of {PR_CONVENTIONS}, got {p.pr_convention!r}",
+    )
     if iv.kind == "shrink":
         raise ConfigError(f"intervention.kind 'shrink' was replaced by {REPLACED['intervention.shrink']}")
     need(iv.kind in INTERVENTIONS, f"intervention.kind must be one of {INTERVENTIONS}, got {iv.kind!r}")

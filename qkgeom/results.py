@@ -38,7 +38,17 @@ import torch
 from qkgeom.config import REPO_ROOT
 from qkgeom.errors import QKGeomError
 
-GEOMETRY_COLUMNS = ["step", "tokens_seen", "layer", "head", "site", "metric", "value"]
+# note: why a value is NaN (e.g. an alpha fit with too few tail eigenvalues), else empty (null)
+GEOMETRY_COLUMNS = ["step", "tokens_seen", "layer", "head", "site", "metric", "value", "note"]
+
+
+def geometry_frame(rows: list[dict[str, Any]] | pd.DataFrame) -> pd.DataFrame:
+    """Rows as the geometry table: GEOMETRY_COLUMNS, `note` a nullable string (null where empty)."""
+    df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows, columns=GEOMETRY_COLUMNS)
+    if "note" not in df:
+        df = df.assign(note=None)
+    note = df["note"].astype("string")
+    return df.assign(note=note.mask(note == ""))
 
 
 class CheckpointError(QKGeomError, RuntimeError):
@@ -185,11 +195,16 @@ def provenance() -> dict[str, Any]:
         sha = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
         ).stdout.strip()
-        dirty = bool(
-            subprocess.run(
-                ["git", "status", "--porcelain"], cwd=root, capture_output=True, text=True, timeout=10
-            ).stdout.strip()
-        )
+        # dirty: changes to tracked files, or new files outside docs/results/ (a study writing its own
+        # records there, as an accumulating study does, does not make the code it runs dirty)
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--", ".", ":(exclude)docs/results"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+        dirty = bool(status.strip())
     except (OSError, subprocess.SubprocessError):
         sha, dirty = "", False
 
@@ -286,9 +301,8 @@ class RunDir:
 
     # geometry.parquet / spectra.npz ----------------------------------------------------------
     def write_geometry(self, rows: list[dict[str, Any]] | pd.DataFrame) -> None:
-        df = rows if isinstance(rows, pd.DataFrame) else pd.DataFrame(rows, columns=GEOMETRY_COLUMNS)
         buf = io.BytesIO()
-        df.to_parquet(buf, index=False)
+        geometry_frame(rows).to_parquet(buf, index=False)
         atomic_write_bytes(self.geometry, buf.getvalue())
 
     def read_geometry(self) -> pd.DataFrame:
@@ -312,7 +326,7 @@ class RunDir:
     def append_probe(self, step: int, rows: list[dict[str, Any]], spectra: dict[str, np.ndarray]) -> None:
         """One probe's rows and spectra, each written atomically as a part named by its step."""
         buf = io.BytesIO()
-        pd.DataFrame(rows, columns=GEOMETRY_COLUMNS).to_parquet(buf, index=False)
+        geometry_frame(rows).to_parquet(buf, index=False)
         atomic_write_bytes(self.geometry_parts / f"{step:08d}.parquet", buf.getvalue())
         buf = io.BytesIO()
         np.savez(buf, step=np.int64(step), **spectra)

@@ -289,3 +289,23 @@ def test_the_two_pr_conventions_on_analytic_cases():
     assert (G.participation_ratio_as(lam, "singular") >= G.participation_ratio_as(lam, "variance") - 1e-12).all()
     with pytest.raises(ValueError, match="allowed: variance, singular"):
         G.participation_ratio_as(lam, "eigen")
+
+
+def test_energy_rank_and_the_row_centred_logit_spectrum_known_values():
+    from qkgeom.probing.geometry import centred_logit_singular_values, energy_rank
+
+    # energies 9, 4, 1, 0 of 14: 90% (12.6) needs two components; exactly 13/14 is reached at two too
+    assert energy_rank(torch.tensor([3.0, 2.0, 1.0, 0.0])).item() == 2
+    assert energy_rank(torch.tensor([1.0, 1.0, 1.0, 1.0])).item() == 4  # 0.9 of 4 equal parts needs all four
+    assert energy_rank(torch.zeros(3)).item() == 0
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 16, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 16, 8, generator=g, dtype=torch.float64)
+    s = q @ k.transpose(-1, -2) / math.sqrt(8)
+    centred = s - s.mean(-1, keepdim=True)
+    got, want = centred_logit_singular_values(q, k, causal=False), torch.linalg.svdvals(centred)
+    # the energies s^2 (float32 eigen-solve, as the logit spectrum's): to ~1e-6 of the largest
+    torch.testing.assert_close(got**2, want**2, rtol=0, atol=1e-6 * float(want.max()) ** 2)
+    low = q.clone()
+    low[..., 2:] = 0.0  # queries in two dimensions: the logits have rank <= 2
+    assert (energy_rank(centred_logit_singular_values(low, k, causal=False)) <= 2).all()

@@ -29,7 +29,7 @@ ORDER = [
     ["training.sweep"],
     # analysis: runs -> verdicts
     ["analysis", "analysis.stats", "analysis.runs"],
-    ["analysis.context", "analysis.claims"],
+    ["analysis.context", "analysis.claims", "analysis.spectral"],
     ["analysis.records"],
     ["analysis.causal", "analysis.ladder"],
     # families: checkpoint families

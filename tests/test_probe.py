@@ -147,7 +147,7 @@ def test_gpt_probe_logit_cap_uses_the_first_sequences_only():
             n_logit += 1
             assert v == pytest.approx(first[key], rel=1e-12)
         else:
-            assert v == full[key]
+            assert v == full[key] or (math.isnan(v) and math.isnan(full[key]))  # NaN: an alpha without a fit
     assert n_logit > 0 and any(capped[k] != full[k] for k in capped if k[2].startswith("logit_"))
 
 
@@ -180,3 +180,96 @@ def test_logit_scale_and_row_std_rows_match_direct_computations():
         assert r[(1, h, "logit_row_std")] == pytest.approx(float(per_head[h].mean()), rel=1e-5)
         cv = per_head[h].std(correction=0) / per_head[h].mean()
         assert r[(1, h, "logit_row_std_cv")] == pytest.approx(float(cv), rel=1e-4)
+
+
+def test_alpha_rows_per_head_and_layer_with_reasons_for_bad_heads():
+    """alpha of every head's W_Q, W_K, W_Q W_K^T, W_V, W_O (and each layer's whole matrix at head -1)
+    is power_law_alpha of the squared singular values; an all-zero, a rank-one and a non-finite head
+    give NaN with their reason, never a crash; too few tail eigenvalues give NaN with that reason."""
+    import warnings
+
+    from qkgeom.probing import geometry as G
+    from qkgeom.probing.probe import ALPHA_METRICS
+
+    g = torch.Generator().manual_seed(0)
+    h, d, e = 4, 64, 32
+    w_q = torch.randn(h, d, e, generator=g, dtype=torch.float64) * torch.linspace(0.2, 3, e, dtype=torch.float64) ** 2
+    w_k = torch.randn(h, d, e, generator=g, dtype=torch.float64)
+    w_k[1] = 0.0  # all zero
+    w_k[2] = torch.randn(d, 1, generator=g, dtype=torch.float64) @ torch.randn(1, e, generator=g, dtype=torch.float64)
+    w_v = torch.randn(h, d, e, generator=g, dtype=torch.float64)
+    w_v[3, 0, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        rows, _ = weight_geometry([w_q], [w_k], w_v=[w_v], w_o=[w_q.clone()])
+    r = {(x["head"], x["metric"]): (x["value"], x.get("note", "")) for x in rows if x["metric"].endswith("_alpha")}
+    assert {m for _, m in r} == set(ALPHA_METRICS.values())
+    for head in range(h):
+        expected = G.power_law_alpha(torch.linalg.svdvals(w_q[head]) ** 2)["alpha"]
+        assert r[(head, "query_weight_alpha")][0] == pytest.approx(expected, rel=1e-9)
+    whole = w_q.permute(1, 0, 2).reshape(d, -1)
+    assert r[(-1, "query_weight_alpha")][0] == pytest.approx(
+        G.power_law_alpha(torch.linalg.svdvals(whole) ** 2)["alpha"]
+    )
+    assert math.isnan(r[(1, "key_weight_alpha")][0]) and r[(1, "key_weight_alpha")][1] == "all-zero matrix"
+    assert math.isnan(r[(2, "key_weight_alpha")][0]) and r[(2, "key_weight_alpha")][1] == "rank one"
+    assert math.isnan(r[(3, "value_weight_alpha")][0]) and r[(3, "value_weight_alpha")][1] == "non-finite values"
+    assert math.isfinite(r[(0, "key_weight_alpha")][0]) and r[(0, "key_weight_alpha")][1] == ""
+    # an 8-dim head has too few eigenvalues for a tail of 10
+    small, _ = weight_geometry([w_q[:, :, :8]], [w_k[:, :, :8]])
+    alpha = [x for x in small if x["metric"] == "query_weight_alpha" and x["head"] == 0][0]
+    assert math.isnan(alpha["value"]) and alpha["note"].startswith("fewer than 10 eigenvalues")
+
+
+@pytest.mark.usefixtures("wikitext")
+def test_a_runs_geometry_table_carries_alpha_with_its_note(tmp_path):
+    from qkgeom.training.loop import train
+    from tests.conftest import tiny_config
+
+    g = train(tiny_config(train={"steps": 10}), tmp_path / "r", progress=False).read_geometry()
+    assert list(g.columns)[-1] == "note" and str(g["note"].dtype) == "string"
+    a = g[g.metric == "value_weight_alpha"]
+    per_head, layer = a[a["head"] >= 0], a[a["head"] == -1]
+    assert per_head["value"].isna().all() and per_head["note"].str.startswith("fewer than 10").all()  # E = 8
+    assert layer["value"].notna().all() and layer["note"].isna().all()  # the whole 32 x 32 matrix fits
+    assert (g[g.metric == "key_participation_ratio"]["note"] == "pr=variance").all()
+
+
+def test_pr_convention_on_an_analytic_case_and_recorded_in_every_pr_row():
+    """Keys whose covariance has eigenvalues (4, 1) (singular values (2, 1)) and a W_K with singular
+    values (2, 1): PR 25/17 under `variance`, (2 + 1)^2 / 5 = 1.8 under `singular`; the note says which."""
+    from qkgeom import config as C
+    from qkgeom.probing.probe import measure
+
+    z = torch.tensor([[1.0, 1.0], [1.0, -1.0], [-1.0, 1.0], [-1.0, -1.0]], dtype=torch.float64)  # cov = I
+    k = (z * torch.tensor([2.0, 1.0], dtype=torch.float64)).reshape(1, 1, 4, 2)  # cov = diag(4, 1)
+    q = torch.randn(1, 1, 4, 2, dtype=torch.float64)
+    w = torch.zeros(1, 3, 2, dtype=torch.float64)
+    w[0, 0, 0], w[0, 1, 1] = 2.0, 1.0
+    for conv, pr in (("variance", 25 / 17), ("singular", 1.8)):
+        df = measure(q, k, causal=False, w_q=[w], w_k=[w], pr_convention=conv)
+        row = df[(df.metric == "key_participation_ratio") & (df["head"] == 0)].iloc[0]
+        assert row["value"] == pytest.approx(pr) and row["note"] == f"pr={conv}"
+        wrow = df[(df.metric == "key_weight_participation_ratio") & (df["head"] == 0)].iloc[0]
+        assert wrow["value"] == pytest.approx(pr) and wrow["note"] == f"pr={conv}"
+        prs = df[df.metric.str.contains("participation_ratio") | (df.metric == "interaction_rank")]
+        assert prs["note"].str.startswith("pr=").all()  # every PR row names its convention
+        assert df[df.metric == "key_effective_rank"]["note"].isna().all()
+    with pytest.raises(ValueError, match="PR convention 'eigen'"):
+        measure(q, k, pr_convention="eigen")
+    with pytest.raises(C.ConfigError, match="probe.pr_convention must be one of"):
+        C.load("tiny", ["probe.pr_convention='eigen'"])
+
+
+@pytest.mark.usefixtures("wikitext")
+def test_a_training_run_under_the_singular_convention(tmp_path):
+    from qkgeom.probing import geometry as G
+    from qkgeom.training.loop import train
+    from tests.conftest import tiny_config
+
+    rd = train(tiny_config(train={"steps": 4}, probe={"pr_convention": "singular"}), tmp_path / "s", progress=False)
+    g = rd.read_geometry()
+    pr = g[(g.metric == "key_participation_ratio") & (g["head"] == 0) & (g.step == 4)]
+    eig = torch.as_tensor(rd.read_spectra()["key_head_eigenvalues"][-1, 0, 0])
+    assert pr["value"].iloc[0] == pytest.approx(float(G.participation_ratio(eig.sqrt())), rel=1e-6)
+    assert set(pr["note"]) == {"pr=singular"}

@@ -116,3 +116,22 @@ def test_report_renders_in_headless_chromium(study):
         assert "window_sensitivity" in pngs
     finally:
         driver.quit()
+
+
+def test_report_sets_weight_rank_beside_realised_rank_and_the_spectral_lifecycle(study):
+    """energy_ranks.csv holds, per head of the first none run's last probe, the 90%-energy ranks of
+    W_Q W_K^T and of the data's logits with their ratio, equal to the geometry rows; the report shows
+    it and the alpha / PR lifecycle of W_Q, W_K, W_V, W_O."""
+    out, _ = study
+    ranks = pd.read_csv(out / "report" / "energy_ranks.csv")
+    run_id = ranks["run_id"].iloc[0]
+    g = pd.read_parquet(out / run_id / "geometry.parquet")
+    last = g[(g.step == g.step.max()) & (g["head"] >= 0)]
+    for _, r in ranks.iterrows():
+        w = last[(last.metric == "interaction_energy_rank90") & (last.layer == r.layer) & (last["head"] == r["head"])]
+        d = last[(last.metric == "logit_energy_rank90") & (last.layer == r.layer) & (last["head"] == r["head"])]
+        assert (r.weight_rank90, r.data_rank90) == pytest.approx((w.value.iloc[0], d.value.iloc[0]))
+        assert r.ratio == pytest.approx(r.weight_rank90 / r.data_rank90)
+    html = (out / "report" / "index.html").read_text()
+    assert "energy_ranks" in html and "spectral_lifecycle" in html
+    assert (out / "report" / "spectral_lifecycle.png").stat().st_size > 10_000

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkgeom.config import ConfigError, _build, apply_overrides, resolve_preset
+from qkgeom.config import PR_CONVENTIONS, ConfigError, _build, apply_overrides, resolve_preset
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,9 @@ class PretrainedConfig:
     """Sequences in the logit-spectrum sample, the first ones (the same in every revision, so trends
     are paired); its T x T eigen-solves cost ~0.5 s per sequence at 30 layers x 9 heads, T = 256,
     more than the forward pass. 0 = all."""
+    pr_convention: str = "variance"
+    """PR of `variance`s (covariance eigenvalues, qkgeom's) or of `singular` values (public Pythia weight
+    datasets); every PR row's note names it (see probe.pr_convention)."""
     gram_dtype: str = "float32"
     """Precision of each batch's centered Gram matrix (running state is float64): float32 or float64."""
     early_max_step: int = 1000
@@ -73,6 +76,10 @@ def load_pretrained(path: str | Path | None = None, overrides: list[str] | None 
     need(pc.every >= 1, f"pretrained.every must be >= 1, got {pc.every}")
     need(pc.family in ("", "pythia"), f"pretrained.family must be 'pythia' or empty, got {pc.family!r}")
     need(pc.logit_max_seqs >= 0, f"pretrained.logit_max_seqs must be >= 0 (0 = all), got {pc.logit_max_seqs}")
+    need(
+        pc.pr_convention in PR_CONVENTIONS,
+        f"pretrained.pr_convention must be one of {PR_CONVENTIONS}, got {pc.pr_convention!r}",
+    )
     need(
         pc.gram_dtype in ("float32", "float64"),
         f"pretrained.gram_dtype must be float32 or float64, got {pc.gram_dtype!r}",

@@ -73,7 +73,8 @@ def analyse_revision(
     tokens, prefix = tokens_fn(path)
     batches = token_batches(tokens, seq_len, pc.batch_size, pc.n_tokens, prefix)
     rows, spectra = analyse_model(
-        model, batches, progress, pc.logit_max_seqs or None, getattr(torch, pc.gram_dtype)
+        model, batches, progress, pc.logit_max_seqs or None, getattr(torch, pc.gram_dtype),
+        pr_convention=pc.pr_convention,
     )  # fmt: skip
     step = step_of(rev)
     tps = tokens_per_step(path)
@@ -205,7 +206,7 @@ def run_pretrained(
 # the settings that change a revision's numbers: revisions measured under others cannot share a family folder
 MEASUREMENT_SETTINGS = (
     "model", "text", "tokenizer", "n_tokens", "seq_len", "batch_size", "strip_special_tokens", "logit_max_seqs",
-    "gram_dtype",
+    "gram_dtype", "pr_convention",
 )  # fmt: skip
 
 
@@ -221,9 +222,10 @@ def check_same_settings(pc: PretrainedConfig, out: Path) -> None:
             continue
         was = read_json(rd.config).get("pretrained_config", {})
         for key in MEASUREMENT_SETTINGS:
-            if key in was and was[key] != now[key]:
+            before = was.get(key, "variance" if key == "pr_convention" else None)  # older folders: the default
+            if before is not None and before != now[key]:
                 raise archs.PretrainedError(
-                    f"{out} already holds revisions measured with {key} = {was[key]!r} ({d.name}); this run has "
+                    f"{out} already holds revisions measured with {key} = {before!r} ({d.name}); this run has "
                     f"{now[key]!r}: choose another --out, or delete that folder"
                 )
 

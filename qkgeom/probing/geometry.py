@@ -24,6 +24,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
+from qkgeom.config import PR_CONVENTIONS
+
 Tensor = torch.Tensor
 
 
@@ -151,9 +153,10 @@ def stable_rank(eigs: Tensor) -> Tensor:
     return e.sum(-1) / e.amax(-1)
 
 
-def spectrum_summary(eigs: Tensor) -> dict[str, Tensor]:
-    """The four dispersion measures of a (batch of) covariance spectra, keyed by metric name."""
-    pr = participation_ratio(eigs)
+def spectrum_summary(eigs: Tensor, convention: str = "variance") -> dict[str, Tensor]:
+    """The four dispersion measures of a (batch of) covariance spectra, keyed by metric name; the PR
+    under `convention` (participation_ratio_as)."""
+    pr = participation_ratio_as(eigs, convention)
     return {
         "participation_ratio": pr,
         "normalised_participation_ratio": pr / eigs.shape[-1],
@@ -353,6 +356,36 @@ def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     return ev.flip(-1).clamp_min(0).sqrt() * scale[..., 0].to(torch.float64)
 
 
+def energy_rank(sv: Tensor, fraction: float = 0.9) -> Tensor:
+    """The number of components that carry `fraction` of the energy sum(s^2) of a spectrum of singular
+    values (..., d), descending: the smallest k with sum_{i<=k} s_i^2 >= fraction * sum s^2 (0 for an
+    all-zero spectrum). Integer-valued, as float64."""
+    e = sv.to(torch.float64) ** 2
+    total = e.sum(-1, keepdim=True)
+    cum = e.cumsum(-1)
+    k = (cum < fraction * total * (1 - 1e-12)).sum(-1) + 1
+    return torch.where(total[..., 0] > 0, k.to(torch.float64), torch.zeros_like(k, dtype=torch.float64))
+
+
+def centred_logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
+    """Singular values (descending, float64) of the row-centred score matrix: S = Q K^T / sqrt(d_head),
+    each query row minus its mean over the keys it sees, unseen entries zero (the data side of a head's
+    logits, the "energy field" whose components are counted against W_Q W_K^T's). (..., T)."""
+    work = torch.float64 if q.dtype == torch.float64 or k.dtype == torch.float64 else torch.float32
+    scores = q.detach().to(work) @ k.detach().to(work).transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
+    t = scores.shape[-1]
+    visible = torch.ones(t, t, dtype=torch.bool, device=scores.device)
+    if causal:
+        visible = torch.tril(visible)
+    zero = torch.zeros((), dtype=work, device=scores.device)
+    masked = torch.where(visible, scores, zero)
+    centred = torch.where(visible, masked - masked.sum(-1, keepdim=True) / visible.sum(-1, keepdim=True), zero)
+    top = centred.abs().amax(dim=(-1, -2), keepdim=True).clamp_min(torch.finfo(work).tiny)
+    unit = centred / top
+    ev = robust_eigvalsh(unit.transpose(-1, -2) @ unit, fast=True, what="centred logit spectrum")
+    return ev.flip(-1).clamp_min(0).sqrt() * top[..., 0].to(torch.float64)
+
+
 def logit_row_std(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     """Per query row, the standard deviation of its scores q.k / sqrt(d_head) over the keys it sees
     (all keys, or keys <= its position if causal): the logit scale that sets how peaked its softmax
@@ -430,7 +463,14 @@ def power_law_alpha(eigenvalues: np.ndarray | Tensor, min_tail: int = ALPHA_MIN_
     return dict(alpha=float(best[0]), xmin=best[1], n_tail=int(best[2]), ks_distance=best[3], reason="")
 
 
-PR_CONVENTIONS = ("variance", "singular")
+def pr_note(convention: str) -> str:
+    """The `note` a PR row carries: which convention made it."""
+    return f"pr={convention}"
+
+
+def is_pr_metric(metric: str) -> bool:
+    """Whether a metric is a participation ratio (its value depends on the PR convention)."""
+    return "participation_ratio" in metric or metric == "interaction_rank"
 
 
 def participation_ratio_as(variances: Tensor, convention: str = "variance") -> Tensor:

@@ -264,13 +264,15 @@ def analyse_model(
     logit_max_seqs: int | None = 4,
     gram_dtype: torch.dtype = torch.float32,
     keep: list | None = None,
+    pr_convention: str = "variance",
 ) -> tuple[list[dict], dict]:
     """Stream batches through `model`; rows (layer, head, site, metric, value) and spectra.
 
     Every token enters the covariances and entropies; the logit-spectrum summary (T x T SVDs,
     the costly part) uses the first `logit_max_seqs` sequences (None: all). Each batch's centered
     Gram matrix is formed in `gram_dtype`; means, merges and the running state stay float64.
-    `keep`: a list to receive every attention call's q, k, pattern (and pre-rotary q, k) — for tests."""
+    `keep`: a list to receive every attention call's q, k, pattern (and pre-rotary q, k) — for tests.
+    pr_convention: `variance` or `singular` (see probe.measure); every PR row's note names it."""
     from tqdm.auto import tqdm
 
     arch = arch_of(model)
@@ -282,23 +284,25 @@ def analyse_model(
         model.set_attn_implementation(ATTN_IMPL)
     if arch.rotary:
         accs = {
-            "post_rotary": GeometryAccumulator(True, "post_rotary", logit_max_seqs, gram_dtype),
-            "pre_rotary": GeometryAccumulator(False, "pre_rotary", None, gram_dtype),
+            "post_rotary": GeometryAccumulator(True, "post_rotary", logit_max_seqs, gram_dtype, pr_convention),
+            "pre_rotary": GeometryAccumulator(False, "pre_rotary", None, gram_dtype, pr_convention),
         }
     else:
-        accs = {"none": GeometryAccumulator(True, "none", logit_max_seqs, gram_dtype)}
+        accs = {"none": GeometryAccumulator(True, "none", logit_max_seqs, gram_dtype, pr_convention)}
     body = getattr(model, "base_model", model)  # the LM head's logits are not needed: skip them
     with recording(model, accs, keep):
         for idx in tqdm(batches, disable=not progress, desc="batches", unit="batch"):
             body(input_ids=idx)
     rows = [r for acc in accs.values() for r in acc.rows()]
     w_q, w_k = arch.weights(model)
-    w_rows, w_spectra = weight_geometry(w_q, w_k, site="pre_rotary" if arch.rotary else "none")
+    w_rows, w_spectra = weight_geometry(
+        w_q, w_k, site="pre_rotary" if arch.rotary else "none", pr_convention=pr_convention
+    )
     gains = arch.gains(model)
     if gains is not None:  # q/k-norm models: the same metrics with the norm gains folded into W_Q, W_K
         folded_q = [w * g[:, None, :] for w, g in zip(w_q, gains[0], strict=True)]
         folded_k = [w * g[:, None, :] for w, g in zip(w_k, gains[1], strict=True)]
-        f_rows, f_spectra = weight_geometry(folded_q, folded_k, site="norm_folded")
+        f_rows, f_spectra = weight_geometry(folded_q, folded_k, site="norm_folded", pr_convention=pr_convention)
         w_rows += f_rows
         w_spectra |= {f"norm_folded_{k}": v for k, v in f_spectra.items()}
     spectra = {

@@ -62,6 +62,7 @@ class _Layer:
     row_std_sum: Tensor | None = None  # (H,) sums over query rows of the per-row logit std
     row_std_sq_sum: Tensor | None = None
     row_n: int = 0
+    energy_rank_sum: Tensor | None = None  # (H,) sums over sequences of the row-centred logits' 90%-energy rank
     logit_gain: float = 1.0  # the model's scores are q k^T / sqrt(E) times this
 
 
@@ -74,7 +75,11 @@ class GeometryAccumulator:
         site: str = "none",
         logit_max_seqs: int | None = None,
         gram_dtype: torch.dtype = torch.float64,
+        pr_convention: str = "variance",
     ) -> None:
+        if pr_convention not in G.PR_CONVENTIONS:
+            raise ValueError(f"PR convention {pr_convention!r}; allowed: {', '.join(G.PR_CONVENTIONS)}")
+        self.pr_convention = pr_convention  # every PR row is computed under it and says so in its note
         self.layers: list[_Layer] = []
         self.gram_dtype = gram_dtype
         self.logit_spectrum = logit_spectrum
@@ -119,7 +124,7 @@ class GeometryAccumulator:
             self._update_entropy(st, pattern, support, token_mask)
         room = q.shape[0] if self.logit_max_seqs is None else self.logit_max_seqs - st.logit_n
         if self.logit_spectrum and token_mask is None and room > 0:
-            self._update_logits(st, q[:room], k[:room], causal, logit_scale)
+            self._update_logits(st, q[:room], k[:room], causal, logit_scale, self.pr_convention)
 
     @staticmethod
     def _update_entropy(st: _Layer, pat: Tensor, support: Tensor, mask: Tensor | None) -> None:
@@ -145,7 +150,9 @@ class GeometryAccumulator:
         st.ent_n += n
 
     @staticmethod
-    def _update_logits(st: _Layer, q: Tensor, k: Tensor, causal: bool, logit_scale: float = 1.0) -> None:
+    def _update_logits(
+        st: _Layer, q: Tensor, k: Tensor, causal: bool, logit_scale: float = 1.0, convention: str = "variance"
+    ) -> None:
         group = q.shape[1] // k.shape[1]
         k = k.repeat_interleave(group, dim=1)  # each query head with the key head it reads
         sv = G.logit_singular_values(q, k, causal) * logit_scale  # (B, H, T)
@@ -157,7 +164,11 @@ class GeometryAccumulator:
         else:
             st.row_std_sum, st.row_std_sq_sum = st.row_std_sum + sums[0], st.row_std_sq_sum + sums[1]
         st.row_n += row_std.shape[1]
-        pr = G.participation_ratio(sv**2).sum(0).cpu()
+        # the bilinear form's energy on the data: Q K^T over all key positions (a causal mask would make
+        # any low-rank matrix full-rank), each row centred
+        ranks = G.energy_rank(G.centred_logit_singular_values(q, k, causal=False)).sum(0).cpu()  # (H,)
+        st.energy_rank_sum = ranks if st.energy_rank_sum is None else st.energy_rank_sum + ranks
+        pr = G.participation_ratio_as(sv**2, convention).sum(0).cpu()
         top = sv[..., 0].sum(0).cpu()
         if st.logit_pr_sum is None:
             st.logit_pr_sum, st.logit_top_sum = pr, top
@@ -169,27 +180,34 @@ class GeometryAccumulator:
         """Tidy rows (layer, head, site, metric, value) for everything streamed so far."""
         out: list[dict] = []
 
+        conv = self.pr_convention
+
         def add(layer: int, head: int, metric: str, value: float) -> None:
-            out.append({"layer": layer, "head": head, "site": self.site, "metric": metric, "value": float(value)})
+            note = (
+                G.pr_note("variance" if metric.endswith("bias_corrected") else conv) if G.is_pr_metric(metric) else ""
+            )
+            row = {"layer": layer, "head": head, "site": self.site, "metric": metric, "value": float(value)}
+            out.append(row | {"note": note} if note else row)
 
         G.solve_together([acc for st in self.layers for acc in (st.q_all, st.k_all)])
         for li, st in enumerate(self.layers):
             head_eigs = {}
             for side, acc, n_heads in (("query", st.q_all, st.n_q_heads), ("key", st.k_all, st.n_k_heads)):
                 head_eigs[side] = acc.block_eigenvalues(n_heads)
-                for name, v in _summary(acc.eigenvalues(), acc.n).items():
+                for name, v in _summary(acc.eigenvalues(), acc.n, conv).items():
                     add(li, -1, f"{side}_{name}", v)
-                for name, vals in _summary(head_eigs[side], acc.n).items():
+                for name, vals in _summary(head_eigs[side], acc.n, conv).items():
                     for h, v in enumerate(vals.tolist()):
                         add(li, h, f"{side}_{name}", v)
-            pr_q = G.participation_ratio(head_eigs["query"])
-            pr_k = G.participation_ratio(head_eigs["key"])
+            pr_q = G.participation_ratio_as(head_eigs["query"], conv)
+            pr_k = G.participation_ratio_as(head_eigs["key"], conv)
             group = len(pr_q) // len(pr_k)
             add(
                 li,
                 -1,
                 "participation_ratio_contrast",
-                G.participation_ratio(st.q_all.eigenvalues()) - G.participation_ratio(st.k_all.eigenvalues()),
+                G.participation_ratio_as(st.q_all.eigenvalues(), conv)
+                - G.participation_ratio_as(st.k_all.eigenvalues(), conv),
             )
             for h in range(len(pr_q)):
                 add(li, h, "participation_ratio_contrast", pr_q[h] - pr_k[h // group])
@@ -210,6 +228,10 @@ class GeometryAccumulator:
                     add(li, h, "logit_spectral_norm", top[h])
                 add(li, -1, "logit_participation_ratio", pr.mean())
                 add(li, -1, "logit_spectral_norm", top.mean())
+                ranks = st.energy_rank_sum / st.logit_n  # components carrying 90% of the energy, per sequence
+                for h in range(len(ranks)):
+                    add(li, h, "logit_energy_rank90", ranks[h])
+                add(li, -1, "logit_energy_rank90", ranks.mean())
             # input-weighted logit scale (all probe tokens): from the head blocks of the layer's covariances
             cq, ck = st.q_all.block_covariances(st.n_q_heads), st.k_all.block_covariances(st.n_k_heads)
             mq = st.q_all.mean.reshape(st.n_q_heads, -1)
@@ -237,9 +259,10 @@ class GeometryAccumulator:
         }
 
 
-def _summary(eigs: Tensor, n: int) -> dict[str, Tensor]:
-    """The dispersion measures of covariance spectra from n samples, plus the bias-corrected PR."""
-    out = G.spectrum_summary(eigs)
+def _summary(eigs: Tensor, n: int, convention: str = "variance") -> dict[str, Tensor]:
+    """The dispersion measures of covariance spectra from n samples, plus the bias-corrected PR (a
+    correction of the variance convention, so always under it)."""
+    out = G.spectrum_summary(eigs, convention)
     if n >= 3:
         out["participation_ratio_bias_corrected"] = G.participation_ratio_bias_corrected(eigs, n)
     return out
@@ -252,13 +275,48 @@ def _hist_median(hist: Tensor) -> list[float]:
     return (idx.double() / (ENTROPY_BINS - 1)).tolist()
 
 
+# alpha rows: the heavy-tail exponent of each head's matrix (and, head = -1, of the layer's whole
+# projection), as WeightWatcher reports it; NaN with a note where the fit has too few tail eigenvalues
+ALPHA_METRICS = {
+    "W_Q": "query_weight_alpha",
+    "W_K": "key_weight_alpha",
+    "W_QK": "interaction_alpha",
+    "W_V": "value_weight_alpha",
+    "W_O": "output_weight_alpha",
+}
+
+
+def _alpha_rows(layer: int, name: str, head_sv: Tensor, layer_sv: Tensor | None, site: str) -> list[dict]:
+    """alpha per head from its singular values (H, E) (eigenvalues of W^T W = s^2), and of the layer's
+    whole matrix from layer_sv (its singular values), each with the fit's reason where it is NaN."""
+    rows = []
+    metric = ALPHA_METRICS[name]
+    fits = [(h, G.power_law_alpha(sv**2)) for h, sv in enumerate(head_sv)]
+    if layer_sv is not None:
+        fits.append((-1, G.power_law_alpha(layer_sv**2)))
+    for h, fit in fits:
+        rows.append(
+            {"layer": layer, "head": h, "site": site, "metric": metric, "value": fit["alpha"], "note": fit["reason"]}
+        )
+    return rows
+
+
 def weight_geometry(
-    w_q: list[Tensor], w_k: list[Tensor], site: str = "none"
+    w_q: list[Tensor],
+    w_k: list[Tensor],
+    site: str = "none",
+    w_v: list[Tensor] | None = None,
+    w_o: list[Tensor] | None = None,
+    pr_convention: str = "variance",
 ) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """Weight-side rows and spectra. w_q[l]: (H_q, D, E), w_k[l]: (H_kv, D, E) per layer.
+    """Weight-side rows and spectra. w_q[l]: (H_q, D, E), w_k[l]: (H_kv, D, E) per layer; optionally
+    w_v[l] (H_kv, D, E) and w_o[l] (H_q, D, E) (W_O^h transposed: the rows of W_O that head h writes).
 
     Rows per head: query/key weight PR (PR of squared singular values of W_Q^h, W_K^h),
     interaction rank and effective rank of W_Q^h (W_K^h)^T, its spectral norm; and layer means.
+    The heavy-tail exponent alpha (ALPHA_METRICS) of W_Q^h, W_K^h, W_Q^h W_K^h^T (and W_V^h, W_O^h if
+    given) per head, and of each layer's whole W_Q, W_K (W_V, W_O) at head = -1; NaN with a note
+    where a fit is not possible (too few tail eigenvalues, an all-zero or rank-one matrix, NaN/Inf).
     """
     rows: list[dict] = []
     sq, sk, sqk = [], [], []
@@ -267,16 +325,31 @@ def weight_geometry(
         sv_q, sv_k = G.singular_values(wq), G.singular_values(wk)  # (H, E)
         sv_qk = G.interaction_singular_values(wq, wk.repeat_interleave(group, dim=0))
         metrics = {
-            "query_weight_participation_ratio": G.interaction_rank(sv_q),
-            "key_weight_participation_ratio": G.interaction_rank(sv_k),
-            "interaction_rank": G.interaction_rank(sv_qk),
+            "query_weight_participation_ratio": G.participation_ratio_as(sv_q**2, pr_convention),
+            "key_weight_participation_ratio": G.participation_ratio_as(sv_k**2, pr_convention),
+            "interaction_rank": G.participation_ratio_as(sv_qk**2, pr_convention),
             "interaction_effective_rank": G.effective_rank(sv_qk**2),
             "interaction_spectral_norm": sv_qk[:, 0],
+            "interaction_energy_rank90": G.energy_rank(sv_qk),  # beside the data's logit_energy_rank90
         }
         for name, vals in metrics.items():
+            extra = {"note": G.pr_note(pr_convention)} if G.is_pr_metric(name) else {}
             for h, v in enumerate(vals.tolist()):
-                rows.append({"layer": li, "head": h, "site": site, "metric": name, "value": float(v)})
-            rows.append({"layer": li, "head": -1, "site": site, "metric": name, "value": float(vals.mean())})
+                rows.append({"layer": li, "head": h, "site": site, "metric": name, "value": float(v)} | extra)
+            rows.append({"layer": li, "head": -1, "site": site, "metric": name, "value": float(vals.mean())} | extra)
+        rows += _alpha_rows(li, "W_Q", sv_q, G.singular_values(_whole(wq)), site)
+        rows += _alpha_rows(li, "W_K", sv_k, G.singular_values(_whole(wk)), site)
+        rows += _alpha_rows(li, "W_QK", sv_qk, None, site)
+        for name, ws in (("W_V", w_v), ("W_O", w_o)):
+            if ws is not None:  # the same spectral rows as W_Q, W_K: PR and alpha
+                sv = G.singular_values(ws[li])
+                pr = G.participation_ratio_as(sv**2, pr_convention)
+                metric = ALPHA_METRICS[name].replace("alpha", "participation_ratio")
+                note = {"note": G.pr_note(pr_convention)}
+                rows += [{"layer": li, "head": h, "site": site, "metric": metric, "value": float(v)} | note
+                         for h, v in enumerate(pr.tolist())]  # fmt: skip
+                rows.append({"layer": li, "head": -1, "site": site, "metric": metric, "value": float(pr.mean())} | note)
+                rows += _alpha_rows(li, name, sv, G.singular_values(_whole(ws[li])), site)
         sq.append(sv_q.numpy())
         sk.append(sv_k.numpy())
         sqk.append(sv_qk.numpy())
@@ -286,6 +359,11 @@ def weight_geometry(
         "W_QK_singular_values": np.stack(sqk),
     }
     return rows, spectra
+
+
+def _whole(w: Tensor) -> Tensor:
+    """Per-head (H, D, E) -> the layer's whole projection (D, H*E)."""
+    return w.permute(1, 0, 2).reshape(w.shape[1], -1)
 
 
 def nonfinite_weights(model: torch.nn.Module) -> str | None:
@@ -333,6 +411,7 @@ def measure(
     causal: bool = True,
     w_q: list[Tensor] | None = None,
     w_k: list[Tensor] | None = None,
+    pr_convention: str = "variance",
 ):
     """Bring your own activations: q, k (and optionally the attention pattern) from any source ->
     the same tidy rows (layer, head, site, metric, value) as a DataFrame.
@@ -341,12 +420,14 @@ def measure(
     (grouped-query: query head h reads key head h // (H_q / H_kv)); pattern: per layer (B, H_q, T, T)
     rows summing to 1, or None (no entropy rows). causal: T x T causal support (entropy
     normalisation, logit spectrum). w_q, w_k: optional per-layer (H, D, E) weights for the weight-side
-    metrics. For many batches, stream them through GeometryAccumulator.update instead (memory then
-    does not grow with tokens).
+    metrics. pr_convention: `variance` (PR of covariance eigenvalues, the default) or `singular` (PR of
+    singular values, as public Pythia weight datasets compute it); every PR row's `note` names it.
+    For many batches, stream them through GeometryAccumulator.update instead (memory then does not
+    grow with tokens).
     """
     import pandas as pd
 
-    return pd.DataFrame(activation_geometry(q, k, pattern, causal, w_q, w_k)[0])
+    return pd.DataFrame(activation_geometry(q, k, pattern, causal, w_q, w_k, pr_convention=pr_convention)[0])
 
 
 def activation_geometry(
@@ -357,6 +438,7 @@ def activation_geometry(
     w_q: list[Tensor] | None = None,
     w_k: list[Tensor] | None = None,
     logit_max_seqs: int | None = None,
+    pr_convention: str = "variance",
 ) -> tuple[list[dict], dict[str, np.ndarray]]:
     """measure()'s rows as dicts, with the spectra: checked, detached activations through one
     GeometryAccumulator, plus the weight-side rows when w_q and w_k are given."""
@@ -367,11 +449,11 @@ def activation_geometry(
     qs, ks = layers(q), layers(k)
     pats = layers(pattern) if pattern is not None else [None] * len(qs)
     check_activations(qs, ks, pats)
-    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs)
+    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs, pr_convention=pr_convention)
     acc.update(QKSnapshot(q=qs, k=ks, pattern=pats, causal=causal))
     rows, spectra = acc.rows(), acc.spectra()
     if w_q is not None and w_k is not None:
-        w_rows, w_spectra = weight_geometry(layers(w_q), layers(w_k))
+        w_rows, w_spectra = weight_geometry(layers(w_q), layers(w_k), pr_convention=pr_convention)
         rows, spectra = rows + w_rows, spectra | w_spectra
     return rows, spectra
 
@@ -396,12 +478,18 @@ def gpt_weights(model: torch.nn.Module) -> tuple[list[Tensor], list[Tensor]]:
     return [b.attn.heads(b.attn.W_Q) for b in model.blocks], [b.attn.heads(b.attn.W_K) for b in model.blocks]
 
 
+def gpt_value_output(model: torch.nn.Module) -> tuple[list[Tensor], list[Tensor]]:
+    """Per-layer (H, D, E) W_V^h and W_O^h transposed (the E rows of W_O that head h writes) of our GPT."""
+    return [b.attn.heads(b.attn.W_V) for b in model.blocks], [b.attn.heads(b.attn.W_O.T) for b in model.blocks]
+
+
 def probe_gpt(
-    model: torch.nn.Module, idx: Tensor, logit_max_seqs: int | None = None
+    model: torch.nn.Module, idx: Tensor, logit_max_seqs: int | None = None, pr_convention: str = "variance"
 ) -> tuple[list[dict], dict[str, np.ndarray]]:
     """All activation- and weight-side rows and spectra of our GPT on the probe batch; the logit
-    spectrum from the first `logit_max_seqs` sequences (None: all)."""
-    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs)
+    spectrum from the first `logit_max_seqs` sequences (None: all); PRs under `pr_convention`."""
+    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs, pr_convention=pr_convention)
     acc.update(gpt_snapshot(model, idx))
-    w_rows, w_spectra = weight_geometry(*gpt_weights(model))
+    w_v, w_o = gpt_value_output(model)
+    w_rows, w_spectra = weight_geometry(*gpt_weights(model), w_v=w_v, w_o=w_o, pr_convention=pr_convention)
     return acc.rows() + w_rows, {**acc.spectra(), **w_spectra}

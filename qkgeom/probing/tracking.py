@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qkgeom.config import PR_CONVENTIONS
 from qkgeom.errors import QKGeomError
 from qkgeom.probing import archs
 from qkgeom.probing.probe import nonfinite_weights
@@ -131,7 +132,8 @@ class Probe:
 
     steps: the run's length if known (recorded; `finish` takes the final one). seed, data_seed:
     the run's seeds, as analyze groups runs by them. logit_max_seqs: sequences of the batch whose
-    T x T logit spectrum is taken (0 = all). tensorboard: a log dir for the layer-mean scalars
+    T x T logit spectrum is taken (0 = all). pr_convention: `variance` or `singular` PRs (every PR row's
+    note names it). tensorboard: a log dir for the layer-mean scalars
     (qkgeom.probing.scalars). resume: continue a folder an interrupted run left (probes after the first
     step probed again are replaced); without it such a folder is refused. capture: for any other
     model, a function (model, batch) -> {"q", "k", optional "pattern", "w_q", "w_k", "causal"} with
@@ -154,9 +156,13 @@ class Probe:
         tensorboard: str | Path | None = None,
         resume: bool = False,
         capture: Capture | None = None,
+        pr_convention: str = "variance",
     ) -> None:
         if every < 1:
             raise ProbeError(f"every must be a positive number of steps, got {every}")
+        if pr_convention not in PR_CONVENTIONS:
+            raise ProbeError(f"pr_convention must be one of {PR_CONVENTIONS}, got {pr_convention!r}")
+        self.pr_convention = pr_convention
         self.capture = capture
         self.model = _unwrap(model) if capture else readable(model)
         self.kind = "capture" if capture else _kind(self.model)
@@ -206,6 +212,7 @@ class Probe:
                     "n_seqs": int(batch.shape[0]),
                     "seq_len": int(batch.shape[1]),
                     "logit_max_seqs": self.logit_max_seqs,
+                    "pr_convention": self.pr_convention,
                 },
                 "intervention": {"kind": "none"},
             },
@@ -297,12 +304,17 @@ class Probe:
         model.eval()
         try:
             if self.kind == "gpt":
-                return probe_gpt(model, self.batch.to(device), self.logit_max_seqs or None)
+                return probe_gpt(model, self.batch.to(device), self.logit_max_seqs or None, self.pr_convention)
             if self.kind == "capture":
                 return self._captured(model, self.batch.to(device))
             impl = model.config._attn_implementation
             try:
-                return analyse_model(model, iter([self.batch.to(device)]), logit_max_seqs=self.logit_max_seqs or None)
+                return analyse_model(
+                    model,
+                    iter([self.batch.to(device)]),
+                    logit_max_seqs=self.logit_max_seqs or None,
+                    pr_convention=self.pr_convention,
+                )
             finally:
                 if model.config._attn_implementation != impl:
                     model.set_attn_implementation(impl)
@@ -315,7 +327,7 @@ class Probe:
         got = self.capture(model, batch)
         return activation_geometry(
             got["q"], got["k"], got.get("pattern"), got.get("causal", True), got.get("w_q"), got.get("w_k"),
-            self.logit_max_seqs or None,
+            self.logit_max_seqs or None, self.pr_convention,
         )  # fmt: skip
 
     def log_metrics(self, step: int, loss: float, split: str = "train", tokens_seen: int | None = None) -> None:

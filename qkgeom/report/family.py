@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from qkgeom.analysis import spectral
 from qkgeom.report import plots
 from qkgeom.report.study import _figure_html, _png, _write_page
 from qkgeom.results import (
@@ -54,6 +55,10 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
         figures.append(("family_contrast", plots.family_contrast(geometry, revs), "PR_Q - PR_K per layer against step"))
     for rev in list(revs["revision"])[-1:] if len(revs) > 1 else list(revs["revision"]):
         figures.append(("model_heads", plots.model_heads(geometry, rev), f"{rev}: per layer and per head"))
+        ranks = _energy_ranks(path, geometry, rev)
+        if len(ranks):
+            title = f"{rev}: weight rank against realised rank (energy_ranks.csv)"
+            figures.append(("energy_ranks", plots.energy_ranks(ranks, rev), title))
     for name, fig, caption in figures:
         png = _png(fig)
         atomic_write_bytes(out / f"{name}.png", png)
@@ -81,6 +86,7 @@ def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) 
     name = f"{info['model']}" + (f" @ {rev}" if rev != "main" else "")
     png = _png(plots.model_heads(geometry, rev))
     atomic_write_bytes(path / "report" / "model_heads.png", png)
+    ranks = _energy_ranks(path, geometry, rev)
     parts = [
         f"<h1>model: {html.escape(name)}</h1>",
         f"<p>{int(info['n_tokens']):,} tokens of text; the logit-spectrum rows (logit PR) are averages over the first "
@@ -91,7 +97,26 @@ def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) 
         "<h2>Per-layer values</h2>",
         layer_table(geometry, rev).to_html(index=False, float_format=lambda v: f"{v:.3g}"),
     ]
+    if len(ranks):
+        rank_png = _png(plots.energy_ranks(ranks, name))
+        atomic_write_bytes(path / "report" / "energy_ranks.png", rank_png)
+        parts += [
+            "<h2>Weight rank and realised rank</h2>",
+            "<p>Per head, the components carrying 90% of the energy of W_Q W_K<sup>T</sup> (weights) and of "
+            "the row-centred Q K<sup>T</sup> logits on the text (data, over the logit sample's sequences), and "
+            "their ratio (energy_ranks.csv).</p>",
+            _figure_html("energy_ranks", rank_png, "Weight rank against realised rank per head"),
+            ranks.to_html(index=False, float_format=lambda v: f"{v:.3g}"),
+        ]
     return _write_page(path / "report", f"qkgeom model: {name}", parts)
+
+
+def _energy_ranks(path: Path, geometry: pd.DataFrame, revision: str) -> pd.DataFrame:
+    """The energy-rank table of one revision, also written as energy_ranks.csv in the family folder."""
+    ranks = spectral.energy_ranks(geometry[geometry["revision"] == revision])
+    if len(ranks):
+        write_table(path, "energy_ranks", ranks.assign(revision=revision))
+    return ranks
 
 
 def family_study_section(path: str | Path) -> list[str]:

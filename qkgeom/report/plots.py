@@ -462,3 +462,51 @@ def ladder_slopes(summary: pd.DataFrame, metric: str = "PR_K") -> Figure:
     axes[0][-1].legend(title="budget", fontsize=7, title_fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def energy_ranks(table: pd.DataFrame, title: str) -> Figure:
+    """Weight rank against realised rank per head (analysis.spectral.energy_ranks): components carrying
+    90% of the energy of W_Q W_K^T (o) and of the row-centred logits on data (x) along the heads,
+    and their ratio weights / data."""
+    t = table.sort_values(["layer", "head"]).reset_index(drop=True)
+    x = np.arange(len(t))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
+    axes[0].plot(x, t["weight_rank90"], "o", ms=4, label="W_Q W_K^T (weights)")
+    axes[0].plot(x, t["data_rank90"], "x", ms=5, label="row-centred Q K^T on data")
+    axes[0].set_ylabel("components for 90% of the energy")
+    axes[1].bar(x, t["ratio"], color="tab:gray")
+    axes[1].axhline(1, color="k", lw=0.8)
+    axes[1].set_ylabel("ratio weights / data")
+    for ax in axes:
+        starts = [i for i in range(len(t)) if i == 0 or t["layer"][i] != t["layer"][i - 1]]
+        ax.set_xticks(starts, [f"L{t['layer'][i]}" for i in starts])
+        ax.set_xlabel("head (grouped by layer)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
+
+
+def spectral_lifecycle(life: pd.DataFrame, title: str) -> Figure:
+    """alpha (top) and PR (bottom) of each projection's whole matrix per layer over training, one column
+    per matrix (analysis.spectral.lifecycle); the heavy-tail reading of the 2026 lifecycle study."""
+    mats = [m for m in ("W_Q", "W_K", "W_V", "W_O") if m in set(life["matrix"])]
+    fig, axes = plt.subplots(2, len(mats), figsize=(3.4 * len(mats), 5.6), squeeze=False, sharex=True)
+    layers = sorted(life["layer"].unique())
+    cmap = plt.get_cmap("viridis", max(2, len(layers)))
+    for j, m in enumerate(mats):
+        part = life[life["matrix"] == m]
+        for li in layers:
+            rows = part[part["layer"] == li].sort_values("step")
+            for i, col in enumerate(("alpha", "pr")):
+                axes[i, j].plot(rows["step"], rows[col], color=cmap(li), lw=1.2, label=f"layer {li}")
+        axes[0, j].set_title(m)
+        axes[1, j].set_xlabel("step")
+        for i in range(2):
+            axes[i, j].set_xscale("symlog", linthresh=10)
+    axes[0, 0].set_ylabel("alpha (whole matrix)")
+    axes[1, 0].set_ylabel("PR (mean over heads)")
+    axes[0, -1].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis import causal
+from qkgeom.analysis import causal, spectral
 from qkgeom.analysis import claims as A
 from qkgeom.analysis.context import context_sentence, study_context
 from qkgeom.families.study import FAMILY_DIR, write_family_tables
@@ -278,6 +278,21 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
             )
         if not a.is_intervention:
             figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "qk_init"))
+    first = _spectral_run(a)
+    if first is not None:
+        run_id, rows = first
+        ranks = spectral.energy_ranks(rows)
+        if len(ranks):
+            figs["energy_ranks"] = (
+                f"Weight rank against realised rank per head at {run_id}'s last probe (table: energy_ranks.csv).",
+                plots.energy_ranks(ranks, f"{run_id}: last probe"),
+            )
+        life = spectral.lifecycle(rows)
+        if len(life):
+            figs["spectral_lifecycle"] = (
+                f"alpha and PR of W_Q, W_K, W_V, W_O per layer over training ({run_id}).",
+                plots.spectral_lifecycle(life, run_id),
+            )
     spectra = _spectra_by_init(a)
     if spectra:
         figs["interaction_spectrum"] = (
@@ -285,6 +300,16 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
             plots.interaction_spectra(spectra),
         )
     return {k: (cap, _png(fig)) for k, (cap, fig) in figs.items()}
+
+
+def _spectral_run(a: Analysis) -> tuple[str, pd.DataFrame] | None:
+    """The run whose spectral figures the report shows: the first unconstrained run (lowest seed)."""
+    g = a.geometry
+    base = g[g["intervention"] == "none"] if "intervention" in g else g
+    if base.empty:
+        return None
+    run_id = base.sort_values(["seed", "run_id"])["run_id"].iloc[0]
+    return run_id, base[base["run_id"] == run_id]
 
 
 def _rounded(x: float | None, digits: int) -> float | None:
@@ -386,6 +411,9 @@ def write_report(a: Analysis, sections: list[str] = ()) -> Path:
     figs = figures(a)
     for name, (_, png) in figs.items():
         atomic_write_bytes(out / f"{name}.png", png)
+    spectral_run = _spectral_run(a)
+    if spectral_run is not None and len(ranks := spectral.energy_ranks(spectral_run[1])):
+        write_table(out, "energy_ranks", ranks.assign(run_id=spectral_run[0]))
     claims = a.claims.copy()
     for c in ("value", "ci_low", "ci_high", "p_value"):
         claims[c] = claims[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
@@ -448,6 +476,17 @@ def _write_run_report(a: Analysis) -> Path:
         "layer_trajectories": ("PR_Q and PR_K of every layer against step.", plots.layer_trajectories(g)),
         "loss": ("Validation loss.", plots.loss_curves(a.metrics, "qk_init")),
     }
+    ranks, life = spectral.energy_ranks(g), spectral.lifecycle(g)
+    if len(ranks):
+        figs["energy_ranks"] = (
+            "Weight rank against realised rank per head at the last probe (table below, and energy_ranks.csv).",
+            plots.energy_ranks(ranks, "last probe"),
+        )
+    if len(life):
+        figs["spectral_lifecycle"] = (
+            "alpha and PR of W_Q, W_K, W_V, W_O per layer over training.",
+            plots.spectral_lifecycle(life, a.path.name),
+        )
     parts = [
         f"<h1>run: {html.escape(a.path.name)}</h1>",
         *context_box(a),
@@ -456,6 +495,12 @@ def _write_run_report(a: Analysis) -> Path:
         "<h2>Per layer, post-transient</h2>",
         per_layer.to_html(index=False, float_format=lambda v: f"{v:.3g}"),
     ]
+    if len(ranks):
+        write_table(out, "energy_ranks", ranks)
+        parts += [
+            "<h2>Weight rank and realised rank (last probe)</h2>",
+            ranks.to_html(index=False, float_format=lambda v: f"{v:.3g}"),
+        ]
     for name, (cap, fig) in figs.items():
         png = _png(fig)
         atomic_write_bytes(out / f"{name}.png", png)

@@ -342,7 +342,9 @@ class _Run:
         self.model.eval()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NumericalWarning)
-            rows, spec = probe_gpt(self.model, self.probe_idx, self.cfg.probe.logit_max_seqs or None)
+            rows, spec = probe_gpt(
+                self.model, self.probe_idx, self.cfg.probe.logit_max_seqs or None, self.cfg.probe.pr_convention
+            )
         for w in caught:  # a numerical fallback is recorded, never fatal
             self.rd.append_warning({"step": step, "warning": str(w.message)})
         rows += self.control.rows(step)
