@@ -3,7 +3,7 @@
     <run>/config.json        resolved config + provenance (written first)
     <run>/vocab.json         the vocabulary built from the training split
     <run>/metrics.jsonl      one JSON object per line: step, tokens_seen, split, loss, lr, elapsed
-    <run>/geometry.parquet   tidy rows: step, tokens_seen, layer, head, site, metric, value
+    <run>/geometry.parquet   tidy rows: step, tokens_seen, layer, head, site, metric, value, note
     <run>/spectra.npz        per probe: stacked spectra, first axis aligned with `step`
     <run>/checkpoints/       last.pt (resume) and step_<n>.pt (kept); torch weights-only format
     <run>/warnings.jsonl     non-fatal numerical fallbacks of the probe (only if any happened)
@@ -71,6 +71,7 @@ REPORT_DIR, REPORT_INDEX = "report", "index.html"  # a study's, run's or family'
 # a family folder (`qkgeom pretrained`) and a family study's tables
 REVISIONS_CSV, TRENDS_CSV = "revisions.csv", "trends.csv"
 FAMILY_SEEDS_CSV, FAMILY_CLAIMS_CSV = "family_seeds.csv", "family_claims.csv"
+FAMILY_PARQUET = "family.parquet"  # one tidy dataset of a family: checkpoint x layer x head x metric
 
 
 def kept_checkpoint(step: int) -> str:

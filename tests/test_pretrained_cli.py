@@ -60,3 +60,25 @@ def test_pretrained_cli_to_report_and_family(name, wikitext, tmp_path, capsys):
     ]
     assert len(early) == 1 and early["n"].iloc[0] == 3
     assert (fam_out / "report" / "family_contrast.png").is_file()
+    _check_family_dataset(fam_out, name)
+
+
+def _check_family_dataset(fam_out, name):
+    """family.parquet: the tidy dataset, one row per checkpoint x layer x head x site x metric."""
+    from qkgeom.families.revisions import FAMILY_DATASET_COLUMNS
+
+    data = pd.read_parquet(fam_out / "family.parquet")
+    assert list(data.columns) == FAMILY_DATASET_COLUMNS
+    assert (
+        sorted(data["step"].unique()) == [0, 10, 100]
+        and not data.duplicated(["revision", "layer", "head", "site", "metric"]).any()
+    )
+    pr = data[data["metric"] == "key_participation_ratio"]
+    assert (pr["convention"] == "variance").all()
+    assert data[data["metric"] == "attention_entropy"]["convention"].isna().all()
+    nan_alpha = data[data["metric"].str.endswith("_alpha") & data["value"].isna()]
+    assert nan_alpha["note"].notna().all()  # every alpha without a fit says why
+    one = pd.read_parquet(fam_out / "step_10" / "geometry.parquet")
+    heads = one[(one["metric"] == "key_participation_ratio") & (one["head"] >= 0)].set_index(["site", "layer", "head"])
+    mine = pr[(pr["step"] == 10) & (pr["head"] >= 0)].set_index(["site", "layer", "head"])["value"]
+    assert mine.sort_index().to_numpy() == pytest.approx(heads["value"].sort_index().to_numpy())

@@ -257,6 +257,35 @@ def load_family(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return pd.concat(frames, ignore_index=True), revs
 
 
+# family.parquet: the columns, in order (docs/GLOSSARY.md, "family.parquet")
+FAMILY_DATASET_COLUMNS = [
+    "model", "revision", "step", "tokens", "layer", "head", "site", "metric", "value", "convention", "note",
+]  # fmt: skip
+
+
+def family_dataset(geometry: pd.DataFrame, revs: pd.DataFrame) -> pd.DataFrame:
+    """A family's geometry as one tidy long table (FAMILY_DATASET_COLUMNS), one row per checkpoint x layer
+    x head x site x metric: `step` and `tokens` of the checkpoint (null where unknown), `convention` the
+    PR convention of PR rows (null for other metrics), `note` why a value is NaN. Duplicate revisions
+    (identical weights) are kept; revisions.csv flags them."""
+    from qkgeom.probing.geometry import is_pr_metric
+
+    g = geometry.copy()
+    info = revs.set_index("revision")
+    g["step"] = g["revision"].map(info["step"]).astype("Int64")
+    g["tokens"] = g["revision"].map(info["tokens_seen"]).astype("Int64")
+    note = g["note"].astype("string") if "note" in g else pd.Series(pd.NA, index=g.index, dtype="string")
+    is_pr = g["metric"].map(is_pr_metric)
+    convention = note.str.removeprefix("pr=").where(is_pr & note.str.startswith("pr=").fillna(False))
+    # rows written before the note column existed: the variance convention (the only one then)
+    g["convention"] = convention.mask(is_pr & convention.isna(), "variance").astype("string")
+    g["note"] = note.mask(note.str.startswith("pr=").fillna(False)).astype("string")
+    for col in ("layer", "head"):
+        g[col] = g[col].astype("int64")
+    return g[FAMILY_DATASET_COLUMNS].sort_values(["step", "revision", "site", "layer", "head", "metric"],
+                                                 na_position="last").reset_index(drop=True)  # fmt: skip
+
+
 # the statistics of trends.csv (family_trends), by name; families.study reads them back by these names
 CONTRAST_TREND = "Spearman(PR_Q - PR_K, log step)"
 CONTRAST_SLOPE = "OLS slope(PR_Q - PR_K, log step)"

@@ -1,10 +1,12 @@
 """The report of `qkgeom pretrained` results: a checkpoint family (trend statistics, the contrast
 over steps, revisions with duplicate flags) or a single model (a headline and a compact per-layer
-table). Tables are written beside the revisions: revisions.csv, trends.csv."""
+table). Tables are written beside the revisions: revisions.csv, trends.csv, family.parquet (the tidy
+dataset, one row per checkpoint x layer x head x site x metric)."""
 
 from __future__ import annotations
 
 import html
+import io
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +16,7 @@ from qkgeom.report import plots
 from qkgeom.report.study import _figure_html, _png, _write_page
 from qkgeom.results import (
     FAMILY_CLAIMS_CSV,
+    FAMILY_PARQUET,
     FAMILY_SEEDS_CSV,
     REPORT_DIR,
     REVISIONS_CSV,
@@ -26,9 +29,10 @@ from qkgeom.results import (
 
 
 def write_family_report(path: str | Path, early_max_step: int | None = None) -> Path:
-    """Tables (revisions.csv, trends.csv, geometry.parquet) and report/index.html of a checkpoint family.
+    """Tables (revisions.csv, trends.csv, family.parquet: the tidy dataset) and report/index.html of a
+    checkpoint family.
     early_max_step: the early window's end; by default the one the family was analysed with."""
-    from qkgeom.families.revisions import family_trends, load_family
+    from qkgeom.families.revisions import family_dataset, family_trends, load_family
 
     path = Path(path)
     geometry, revs = load_family(path)
@@ -38,6 +42,9 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
     trends = family_trends(geometry, early_max_step)
     write_table(path, Path(REVISIONS_CSV).stem, revs)
     write_table(path, Path(TRENDS_CSV).stem, trends)
+    buf = io.BytesIO()
+    family_dataset(geometry, revs).to_parquet(buf, index=False)
+    atomic_write_bytes(path / FAMILY_PARQUET, buf.getvalue())
     out = path / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     if len(revs) == 1:
