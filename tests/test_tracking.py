@@ -66,7 +66,9 @@ def test_probe_rows_match_an_independent_recomputation_and_leave_the_model_as_it
     assert read_json(out / "config.json")["config"]["train"]["steps"] == 12
     info = read_json(out / "config.json")
     assert info["config"]["model"]["n_layers"] == 2 and info["model_config"]["n_embd"] == 32  # what was probed
-    assert info["config"]["probe"] == {"every": 10, "log_early": True, "n_seqs": 4, "seq_len": T, "logit_max_seqs": 4}
+    assert info["config"]["probe"] == {
+        "every": 10, "log_early": True, "n_seqs": 4, "seq_len": T, "logit_max_seqs": 4, "pr_convention": "variance"
+    }  # fmt: skip
     assert (out / "done.json").is_file() and not (out / "geometry.parts").exists()
 
     # the last probe equals the in-memory analysis of the final model on the same batch
@@ -234,3 +236,28 @@ def test_non_finite_weights_skip_the_probe_with_a_reason_instead_of_crashing(tmp
     probe.finish(2)
     assert sorted(pd.read_parquet(tmp_path / "run" / "geometry.parquet")["step"].unique()) == [0]
     assert "not finite" in (tmp_path / "run" / "warnings.jsonl").read_text()
+
+
+def test_a_compiled_model_is_probed_through_to_its_weights(tmp_path):
+    """torch.compile'd training (dynamo's graph capture, the eager backend: no C++ toolchain needed):
+    Probe reads the module under the wrapper, and its last probe equals the eager analysis of it."""
+    model, batch = gpt2(), fixed_batch()
+    compiled = torch.compile(model, backend="eager")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    probe = qkgeom.Probe(compiled, batch, every=2, out=tmp_path / "run", steps=4)
+    data = torch.Generator().manual_seed(7)
+    for step in range(4):
+        probe(step)
+        x = torch.randint(0, VOCAB, (8, T), generator=data)
+        compiled(input_ids=x, labels=x).loss.backward()  # the compiled forward trains the weights
+        opt.step()
+        opt.zero_grad()
+    probe.finish(4)
+    g = pd.read_parquet(tmp_path / "run" / "geometry.parquet")
+    assert sorted(g["step"].unique()) == [0, 1, 2, 4]
+    last = g[g["step"] == 4].set_index(["layer", "head", "site", "metric"])["value"]
+    model.eval()
+    now = qkgeom.analyse(model, [batch]).set_index(["layer", "head", "site", "metric"])["value"]
+    both = pd.concat([last, now], axis=1, join="inner").dropna()
+    assert len(both) == len(now.dropna()) > 50
+    np.testing.assert_allclose(both.iloc[:, 0], both.iloc[:, 1], rtol=1e-6, atol=1e-9)
