@@ -24,7 +24,7 @@ ORDER = [
     ["probing.hf", "probing.scalars"],
     ["probing.tracking"],
     # training: our GPT, steered
-    ["training", "training.model", "training.data", "training.interventions"],
+    ["training", "training.model", "training.data", "training.interventions", "training.precision"],
     ["training.loop"],
     ["training.sweep"],
     # analysis: runs -> verdicts

@@ -25,8 +25,9 @@ from qkgeom.probing.probe import gpt_weights, probe_gpt
 from qkgeom.probing.scalars import TensorBoardLog
 from qkgeom.results import LAST_CHECKPOINT, RunDir, folder_lock, kept_checkpoint, provenance, read_json, write_json
 from qkgeom.training import interventions as I
-from qkgeom.training.data import Vocab, batch_offsets, fixed_offsets, gather, load_corpus
+from qkgeom.training.data import Vocab, batch_offsets, cache_dir, fixed_offsets, gather, load_corpus
 from qkgeom.training.model import GPT
+from qkgeom.training.precision import attention_path, choose_cpu_attention
 
 
 class TrainingError(QKGeomError, RuntimeError):
@@ -252,6 +253,9 @@ class _Run:
         # the training forward (optionally compiled); probes run the eager model's explicit path
         self.forward_loss = torch.compile(self.model.loss) if t.compile else self.model.loss
         self.opt = make_optimizer(self.model, t)
+        # bf16 on a CPU: the faster attention kernel here, timed once on this model and batch (before any
+        # hook that would see the timing's forwards), cached per machine and shape, recorded
+        self.attention = self._cpu_bf16_attention() if self.bf16 and self.device == "cpu" else None
         self.w_q, self.w_k = gpt_weights(self.model)  # (H, D, E) views: in-place updates keep them valid
         self.control = I.SpectrumControl.create(
             cfg.intervention, self.w_q, self.w_k, t.steps, baseline_spectra(cfg.intervention, rd)
@@ -279,6 +283,15 @@ class _Run:
         else:
             self._start_fresh(corpus, n_probe)
         self.t0 = time.perf_counter()
+
+    def _cpu_bf16_attention(self) -> dict:
+        t, m = self.cfg.train, self.cfg.model
+        x, y = gather(
+            self.train_data, batch_offsets(len(self.train_data), m.n_ctx, t.batch_size, t.data_seed, 0), m.n_ctx
+        )
+        x, y = torch.from_numpy(x), torch.from_numpy(y)
+        shape = f"batch {t.batch_size}x{m.n_ctx}, {m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads"
+        return choose_cpu_attention(self.model, lambda: self.forward_loss(x, y), shape, cache_dir())
 
     def _restore(self) -> None:
         rd = self.rd
@@ -317,6 +330,7 @@ class _Run:
                 "probe_tokens": n_probe * cfg.model.n_ctx,
                 "probe_logit_seqs": min(n_probe, cfg.probe.logit_max_seqs or n_probe),
                 "notes": I.notes(cfg.intervention, cfg.model.qk_init),
+                "attention_path": self.attention,  # bf16 on a CPU: the kernel timed fastest here (else null)
             },
         )
 
@@ -409,7 +423,10 @@ class _Run:
             self.train_data, batch_offsets(len(self.train_data), m.n_ctx, t.batch_size, t.data_seed, step), m.n_ctx
         )
         device_type = self.device.split(":")[0]
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.bf16):
+        with (
+            torch.autocast(device_type, dtype=torch.bfloat16, enabled=self.bf16),
+            attention_path(self.attention["path"] if self.attention else None),
+        ):
             loss = self.forward_loss(torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device))
         loss_value = loss.item()
         if not math.isfinite(loss_value) or loss_value > self.loss_ceiling:
@@ -445,5 +462,6 @@ class _Run:
                 "final_valid_loss": self.rd.read_metrics()[-1]["loss"],
                 "probe_seconds_last_segment": self.probe_seconds,
                 "segment_seconds": self.segment(),
+                "attention_path": self.attention,
             },
         )

@@ -1,0 +1,103 @@
+"""bf16 training on a CPU: which attention kernel is fastest *here*, measured once and recorded.
+
+Under bf16 autocast, PyTorch's CPU flash-attention kernel can be slower than float32 on some CPUs
+(measured on an AMX Xeon: the default path 0.8x, the math path 1.2x a float32 step), while on others
+the math path is the slow one. So with `train.precision = "bf16"` on a CPU the training step times
+one forward + backward of the run's own model and batch under each scaled-dot-product backend and
+keeps the faster. The choice is cached per machine and shape (QKGEOM_CACHE/attention_paths.json: CPU
+model and bf16 flags, torch version, batch and model shape) and recorded in the run's config.json
+(`attention_path`). float32 (the default) never uses it: its results do not depend on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from qkgeom.results import atomic_write_bytes
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
+CACHE_FILE = "attention_paths.json"
+
+
+def cpu_signature() -> str:
+    """The CPU model and its bf16 / AVX-512 flags, and the torch version: what the timing depends on."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model in ("", platform.machine(), platform.processor()):
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:  # not Linux: the platform strings alone
+        pass
+    wanted = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
+    return f"{model} [{' '.join(wanted)}] torch {torch.__version__}"
+
+
+@contextlib.contextmanager
+def attention_path(path: str | None) -> Iterator[None]:
+    """The scaled-dot-product backend `path` (a key of BACKENDS) for the block, or PyTorch's own choice."""
+    if path is None:
+        yield
+        return
+    with sdpa_kernel([BACKENDS[path]]):
+        yield
+
+
+def _time_step(step: Callable[[], torch.Tensor], trials: int) -> float:
+    step()  # warm-up: kernels chosen, buffers allocated
+    best = float("inf")
+    for _ in range(trials):
+        tic = time.perf_counter()
+        step()
+        best = min(best, time.perf_counter() - tic)
+    return best
+
+
+def choose_cpu_attention(
+    model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor], shape: str, cache: Path | None, trials: int = 3
+) -> dict:
+    """The faster backend for bf16 training of `model` on this CPU: {"path", "ms": {backend: ms per
+    forward + backward}, "cached", "machine"}. loss_fn computes the training loss of one real batch
+    (it runs under bf16 autocast here); gradients are cleared afterwards, the weights never change.
+    `shape` names what the timing depends on besides the machine (batch and model shape)."""
+    key = f"{cpu_signature()} | {shape}"
+    path = cache / CACHE_FILE if cache is not None else None
+    known: dict = {}
+    if path is not None and path.is_file():
+        try:
+            known = json.loads(path.read_text())
+        except (OSError, ValueError):
+            known = {}  # a damaged cache is measured again and rewritten whole
+    if key in known:
+        return {**known[key], "cached": True, "machine": key}
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = loss_fn()
+        loss.backward()
+        return loss
+
+    ms = {}
+    for name in BACKENDS:
+        try:
+            with attention_path(name):
+                ms[name] = 1000 * _time_step(step, trials)
+        except RuntimeError:  # a backend this build or input cannot run
+            continue
+    for p in model.parameters():
+        p.grad = None
+    choice = {"path": min(ms, key=ms.get) if ms else None, "ms": {k: round(v, 2) for k, v in ms.items()}}
+    if path is not None and choice["path"] is not None:
+        known[key] = choice
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
+    return {**choice, "cached": False, "machine": key}
