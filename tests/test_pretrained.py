@@ -150,6 +150,7 @@ def test_weight_maps_reproduce_the_projections(folder):
         else:
             q = attn.q_proj(x) - (attn.q_proj.bias if attn.q_proj.bias is not None else 0)
             k = attn.k_proj(x) - (attn.k_proj.bias if attn.k_proj.bias is not None else 0)
+    _check_value_output(name, model, attn, x)
     for h in range(w_q[0].shape[0]):
         assert torch.allclose(x @ w_q[0][h], q[:, h * 8 : (h + 1) * 8], atol=1e-5)
     for h in range(w_k[0].shape[0]):
@@ -172,6 +173,37 @@ def test_weight_maps_reproduce_the_projections(folder):
         key = (0, 0, "interaction_spectral_norm")
         assert folded[key] == pytest.approx(16 * raw[key], rel=1e-5)  # gains 4 x 4, uniform: spectrum x 16
         assert folded[(0, 0, "interaction_rank")] == pytest.approx(raw[(0, 0, "interaction_rank")], rel=1e-6)
+
+
+def _check_value_output(name, model, attn, x):
+    """W_V^h reproduces the value projection of head h; the W_O^h reassemble the output projection:
+    out(z) = sum_h z_h (W_O^h)^T for any z (bias removed)."""
+    w_v, w_o = P.arch_of(model).value_output(model)
+    with torch.no_grad():
+        if name == "gpt2":
+            v = attn.c_attn(x)[:, 64:96] - attn.c_attn.bias[64:96]
+        elif name == "gpt_neox":
+            v = (attn.query_key_value(x) - attn.query_key_value.bias).view(5, 4, 3, 8)[:, :, 2].reshape(5, 32)
+        elif name == "bert":
+            v = attn.value(x) - attn.value.bias
+        elif name == "phi3":
+            v = attn.qkv_proj(x)[:, 48:64]
+        elif name == "gpt_bigcode":
+            v = (attn.c_attn(x) - attn.c_attn.bias)[:, 40:48]
+        else:
+            v = attn.v_proj(x) - (attn.v_proj.bias if attn.v_proj.bias is not None else 0)
+    for h in range(w_v[0].shape[0]):
+        assert torch.allclose(x @ w_v[0][h], v[:, h * 8 : (h + 1) * 8], atol=1e-5)
+    if name == "bert":
+        assert w_o is None  # BERT's output projection sits outside its self-attention module
+        return
+    out = {"gpt2": "c_proj", "gpt_neox": "dense", "gpt_bigcode": "c_proj", "opt": "out_proj"}.get(name, "o_proj")
+    proj = getattr(attn, out)
+    z = torch.randn(5, 32)
+    with torch.no_grad():
+        want = proj(z) - (proj.bias if getattr(proj, "bias", None) is not None else 0)
+    got = sum(z[:, h * 8 : (h + 1) * 8] @ w_o[0][h].T for h in range(4))
+    assert torch.allclose(got, want, atol=1e-5)
 
 
 def test_streaming_is_batch_invariant_for_pr(folder):

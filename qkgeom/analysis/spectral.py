@@ -5,7 +5,8 @@ the per-matrix heavy-tail exponent and PR over training (the "spectral lifecycle
   (`interaction_energy_rank90`, weights) and of the probe batch's row-centred Q K^T logits
   (`logit_energy_rank90`, data), side by side with their ratio weights / data.
 - **Lifecycle.** Per layer and step, alpha of each projection's whole matrix (head = -1 rows) and its
-  mean per-head PR, for W_Q, W_K, W_V, W_O (W_V, W_O where the probe saw them: our GPT).
+  mean per-head PR, for W_Q, W_K, W_V, W_O (W_O not for BERT, whose output projection sits outside
+  its attention module).
 """
 
 from __future__ import annotations

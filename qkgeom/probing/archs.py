@@ -108,6 +108,45 @@ class Arch:
                 w_k.append(_heads_from_linear(m.key.weight, H))
         return w_q, w_k
 
+    def value_output(self, model: nn.Module) -> tuple[list[Tensor], list[Tensor] | None]:
+        """Per layer W_V^h (H_kv, D, E) and W_O^h transposed (H, D, E): the E rows of the output
+        projection that head h writes, as (D, E). W_O is None where it lives outside the attention
+        module (BERT's sits in BertSelfOutput)."""
+        H, H_kv = head_counts(model)
+        w_v, w_o = [], []
+
+        def out_rows(weight: Tensor) -> Tensor:  # nn.Linear (D, H*E) -> (H, D, E)
+            return weight.detach().reshape(weight.shape[0], H, -1).permute(1, 0, 2)
+
+        for m in _attn_modules(model, self.marker):
+            if self.layout == "conv1d_qkv":  # Conv1D stores (in, out)
+                D = m.c_attn.weight.shape[0]
+                w_v.append(m.c_attn.weight.detach()[:, 2 * D :].reshape(D, H, -1).permute(1, 0, 2))
+                w_o.append(m.c_proj.weight.detach().reshape(H, -1, D).transpose(1, 2))
+            elif self.layout == "neox_qkv":
+                w = m.query_key_value.weight.detach().T
+                w_v.append(w.reshape(w.shape[0], H, 3, -1)[:, :, 2].permute(1, 0, 2))
+                w_o.append(out_rows(m.dense.weight))
+            elif self.layout == "fused_qkv":
+                w, nq = m.qkv_proj.weight, m.o_proj.in_features
+                w_v.append(_heads_from_linear(w[nq + (w.shape[0] - nq) // 2 :], H_kv))
+                w_o.append(out_rows(m.o_proj.weight))
+            elif self.layout == "bigcode":
+                w, D = m.c_attn.weight, m.c_attn.weight.shape[1]
+                if H_kv == 1:
+                    E = (w.shape[0] - D) // 2
+                    w_v.append(_heads_from_linear(w[D + E :], 1))
+                else:
+                    w_v.append(w.detach().reshape(H, 3, -1, D)[:, 2].transpose(1, 2))
+                w_o.append(out_rows(m.c_proj.weight))
+            elif self.layout == "bert":
+                w_v.append(_heads_from_linear(m.value.weight, H))
+            else:  # linear: v_proj, and o_proj (out_proj in OPT)
+                w_v.append(_heads_from_linear(m.v_proj.weight, H_kv))
+                o = getattr(m, "o_proj", None)
+                w_o.append(out_rows((o if o is not None else m.out_proj).weight))
+        return w_v, (w_o or None)
+
     def gains(self, model: nn.Module) -> tuple[list[Tensor], list[Tensor]] | None:
         """Per layer q/k norm gains as (H, E) and (H_kv, E), or None without a q/k norm."""
         if not self.qk_norm:

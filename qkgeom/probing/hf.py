@@ -295,8 +295,9 @@ def analyse_model(
             body(input_ids=idx)
     rows = [r for acc in accs.values() for r in acc.rows()]
     w_q, w_k = arch.weights(model)
+    w_v, w_o = arch.value_output(model)
     w_rows, w_spectra = weight_geometry(
-        w_q, w_k, site="pre_rotary" if arch.rotary else "none", pr_convention=pr_convention
+        w_q, w_k, site="pre_rotary" if arch.rotary else "none", w_v=w_v, w_o=w_o, pr_convention=pr_convention
     )
     gains = arch.gains(model)
     if gains is not None:  # q/k-norm models: the same metrics with the norm gains folded into W_Q, W_K
