@@ -237,32 +237,31 @@ def causal_estimates(df: pd.DataFrame, note: str, unread: set[str] = frozenset()
             detail=f"per-seed {np.round(fs, 4).tolist()}",
         )
         rows.append(first)
-        ratio, lo, hi = stats.fieller_ratio_ci(rf, fs)
-        verdict = stats.verdict(lo, hi, +1)
         rows.append(
-            claim_row(
-                study="intervention",
+            _fieller_row(
+                rf, fs, +1, note,
                 claim=f"IV: attention entropy per unit log {label} (reduced form / first stage)",
                 group=group,
-                window="post-transient",
-                value=ratio,
-                lo=lo,
-                hi=hi,
-                n=len(rf),
-                predicted="+",
-                verdict=verdict,
                 seeds_agreeing=f"{int(np.sum(np.sign(rf) == np.sign(fs)))}/{len(rf)}",
-                interval="95% Fieller over seeds",
-                window_start=note,
                 mde_80=stats.mde(rf) / abs(fs.mean()) if fs.mean() else np.nan,
                 detail="mde_80 = reduced form's mde / mean first stage; unbounded interval: first stage too weak",
             )
-        )
+        )  # fmt: skip
         if blocked:  # read only at matched scale: the target's rows keep their numbers, not their verdicts
             for r in rows:
                 if r["group"] == group and r.get("predicted") and not r["claim"].startswith("first stage"):
                     r["verdict"] = f"scale not matched ({', '.join(blocked)})"
     return rows
+
+
+def _fieller_row(num: np.ndarray, den: np.ndarray, sign: int, note: str, **kw) -> dict:
+    """A claims row for mean(num) / mean(den) over seeds with Fieller's 95% interval, judged by `sign`."""
+    value, lo, hi = stats.fieller_ratio_ci(num, den)
+    return claim_row(
+        study="intervention", window="post-transient", value=value, lo=lo, hi=hi, n=len(num),
+        predicted="+" if sign > 0 else "-", verdict=stats.verdict(lo, hi, sign), interval="95% Fieller over seeds",
+        window_start=note, **kw,
+    )  # fmt: skip
 
 
 def _log_paired(df: pd.DataFrame, metric: str, arm: str) -> pd.Series:
@@ -315,25 +314,15 @@ def temperature_rows(df: pd.DataFrame, note: str) -> list[dict]:
         both = pd.concat({"ent": ent, "dose": dose}, axis=1).dropna()
         if len(both) < 2:
             continue
-        value, lo, hi = stats.fieller_ratio_ci(both["ent"].to_numpy(), both["dose"].to_numpy())
         rows.append(
-            claim_row(
-                study="intervention",
+            _fieller_row(
+                both["ent"].to_numpy(), both["dose"].to_numpy(), -1, note,
                 claim=f"{arm}: attention entropy per unit delivered log logit factor (the scale path)",
                 group="mean over layers",
-                window="post-transient",
-                value=value,
-                lo=lo,
-                hi=hi,
-                n=len(both),
-                predicted="-",
-                verdict=stats.verdict(lo, hi, -1),
-                interval="95% Fieller over seeds",
-                window_start=note,
                 detail=f"entropy diffs {np.round(both['ent'].to_numpy(), 4).tolist()}; "
                 f"delivered log factors {np.round(both['dose'].to_numpy(), 4).tolist()}",
             )
-        )
+        )  # fmt: skip
     return rows
 
 

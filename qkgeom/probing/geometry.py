@@ -367,16 +367,22 @@ def energy_rank(sv: Tensor, fraction: float = 0.9) -> Tensor:
     return torch.where(total[..., 0] > 0, k.to(torch.float64), torch.zeros_like(k, dtype=torch.float64))
 
 
-def centred_logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
-    """Singular values (descending, float64) of the row-centred score matrix: S = Q K^T / sqrt(d_head),
-    each query row minus its mean over the keys it sees, unseen entries zero (the data side of a head's
-    logits, the "energy field" whose components are counted against W_Q W_K^T's). (..., T)."""
+def _visible_scores(q: Tensor, k: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+    """Scores q.k / sqrt(d_head) (..., T, T) in float64 for float64 input, else float32, and the (T, T)
+    mask of the keys each query sees (lower triangle if causal)."""
     work = torch.float64 if q.dtype == torch.float64 or k.dtype == torch.float64 else torch.float32
     scores = q.detach().to(work) @ k.detach().to(work).transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
     t = scores.shape[-1]
     visible = torch.ones(t, t, dtype=torch.bool, device=scores.device)
-    if causal:
-        visible = torch.tril(visible)
+    return scores, torch.tril(visible) if causal else visible
+
+
+def centred_logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
+    """Singular values (descending, float64) of the row-centred score matrix: S = Q K^T / sqrt(d_head),
+    each query row minus its mean over the keys it sees, unseen entries zero (the data side of a head's
+    logits, the "energy field" whose components are counted against W_Q W_K^T's). (..., T)."""
+    scores, visible = _visible_scores(q, k, causal)
+    work = scores.dtype
     zero = torch.zeros((), dtype=work, device=scores.device)
     masked = torch.where(visible, scores, zero)
     centred = torch.where(visible, masked - masked.sum(-1, keepdim=True) / visible.sum(-1, keepdim=True), zero)
@@ -390,12 +396,8 @@ def logit_row_std(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     """Per query row, the standard deviation of its scores q.k / sqrt(d_head) over the keys it sees
     (all keys, or keys <= its position if causal): the logit scale that sets how peaked its softmax
     can be. q, k: (..., T, d_head) -> (..., T), NaN for rows that see fewer than 2 keys."""
-    work = torch.float64 if q.dtype == torch.float64 or k.dtype == torch.float64 else torch.float32
-    scores = q.detach().to(work) @ k.detach().to(work).transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
-    t = scores.shape[-1]
-    visible = torch.ones(t, t, dtype=torch.bool, device=scores.device)
-    if causal:
-        visible = torch.tril(visible)
+    scores, visible = _visible_scores(q, k, causal)
+    work = scores.dtype
     n = visible.sum(-1).to(work)  # (T,)
     masked = torch.where(visible, scores, torch.zeros((), dtype=work, device=scores.device))
     mean = masked.sum(-1) / n
