@@ -11,9 +11,14 @@ gradient clipping, `loss.item()` every step. nanoGPT is not vendored: point at i
     python bench/train_throughput.py --nanogpt /tmp/nanogpt_model.py
 
 Without it, an in-file nanoGPT-style loop (fused qkv, SDPA) stands in, and the output says so.
-Prints tokens/s of both per configuration, the ratio with a 95% t-interval over rounds, and the
-probe share of qkgeom's training time. Targets (issue 13): ratio >= 1.10 at depth 4 and 8, 1 and
-2 threads; probes <= 3%.
+Per configuration (threads x depth x precision) it times, in alternating rounds, four things against
+nanoGPT in float32: qkgeom's bare training step (our GPT in the peer's own plain loop), qkgeom's bare
+job (`qkgeom.train` with probes, evaluations and checkpoints only at the first and last step), the
+whole job (probes, evaluations and checkpoints at the cpu preset's intervals), and the peer itself at
+that precision. bf16 is autocast on both sides; qkgeom's bf16 job uses the attention kernel it timed
+fastest here (training/precision.py). The machine's CPU and bf16 flags are printed first. Targets
+(issue 32): whole job >= 0.97x nanoGPT float32 at float32; bf16 >= 1.15x nanoGPT float32 where bf16
+is native (amx_bf16 / avx512_bf16); probes <= 3%.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import require_wikitext  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
-from qkgeom import stats  # noqa: E402
+from qkgeom.analysis import stats  # noqa: E402
 from qkgeom.training.data import batch_offsets, gather, load_corpus  # noqa: E402
 from qkgeom.training.loop import lr_at, train  # noqa: E402
 
@@ -100,10 +105,27 @@ def load_nanogpt(path: str | None):
     return module.GPT, module.GPTConfig
 
 
-def peer_round(cfg: C.RunConfig, nanogpt, vocab: int, data: np.ndarray, steps: int, seed: int) -> float:
-    """Seconds for `steps` steps of the peer's training loop (model built outside the timing)."""
+def peer_round(
+    cfg: C.RunConfig,
+    nanogpt,
+    vocab: int,
+    data: np.ndarray,
+    steps: int,
+    seed: int,
+    bf16: bool = False,
+    ours: bool = False,
+) -> float:
+    """Seconds for `steps` steps of the peer's training loop (model built outside the timing), under bf16
+    autocast if asked; ours = True runs qkgeom's GPT in the same loop (the bare step)."""
     m, t = cfg.model, cfg.train
     torch.manual_seed(seed)
+    if ours:
+        from qkgeom.training.loop import make_optimizer
+        from qkgeom.training.model import GPT as OurGPT
+
+        model = OurGPT(m, vocab, seed=seed)
+        opt = make_optimizer(model, t)
+        return _loop(model, opt, lambda x, y: model.loss(x, y), cfg, data, steps, bf16)
     if nanogpt:
         GPT, GPTConfig = nanogpt
         conf = GPTConfig(
@@ -115,13 +137,21 @@ def peer_round(cfg: C.RunConfig, nanogpt, vocab: int, data: np.ndarray, steps: i
         model = PlainGPT(vocab, m.d_model, m.n_heads, m.n_layers, m.n_ctx)
     with contextlib.redirect_stdout(io.StringIO()):  # nanoGPT prints its parameter counts here
         opt = model.configure_optimizers(t.weight_decay, t.lr, (t.beta1, t.beta2), "cpu")
+    return _loop(model, opt, lambda x, y: model(x, y)[1], cfg, data, steps, bf16)
+
+
+def _loop(model, opt, loss_of, cfg: C.RunConfig, data: np.ndarray, steps: int, bf16: bool) -> float:
+    """nanoGPT's training-loop essentials, timed: lr schedule, batch, (autocast) forward, backward,
+    clipping, step, loss.item()."""
+    m, t = cfg.model, cfg.train
     model.train()
     tic = time.perf_counter()
     for step in range(steps):
         for g in opt.param_groups:
             g["lr"] = lr_at(step, t)
         x, y = gather(data, batch_offsets(len(data), m.n_ctx, t.batch_size, t.data_seed, step), m.n_ctx)
-        _, loss = model(torch.from_numpy(x).contiguous(), torch.from_numpy(y).contiguous())  # nanoGPT .view()s them
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = loss_of(torch.from_numpy(x).contiguous(), torch.from_numpy(y).contiguous())  # nanoGPT .view()s
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
@@ -131,20 +161,22 @@ def peer_round(cfg: C.RunConfig, nanogpt, vocab: int, data: np.ndarray, steps: i
     return time.perf_counter() - tic
 
 
-def scaled_config(depth: int, steps: int, compile: bool = False) -> C.RunConfig:
+def scaled_config(depth: int, steps: int, compile: bool = False, precision: str = "float32", bare: bool = False):
     """The cpu preset at `depth`, shortened to `steps`, with probes, evals and checkpoints at the
     preset's own intervals (so as dense per step as in the full run: 27 probes per 1,000 steps);
-    the log-spaced early probes are off, since a short round would otherwise be mostly probes."""
-    return C.load(
-        "cpu",
-        [
-            f"model.n_layers={depth}",
-            f"train.steps={steps}",
-            f"train.warmup_steps={min(steps, 50)}",
-            "probe.log_early=false",
-            f"train.compile={'true' if compile else 'false'}",
-        ],
-    )
+    the log-spaced early probes are off, since a short round would otherwise be mostly probes.
+    bare: probes, evaluations and checkpoints only at the first and last step."""
+    sets = [
+        f"model.n_layers={depth}",
+        f"train.steps={steps}",
+        f"train.warmup_steps={min(steps, 50)}",
+        "probe.log_early=false",
+        f"train.compile={'true' if compile else 'false'}",
+        f'train.precision="{precision}"',
+    ]
+    if bare:
+        sets += [f"probe.every={steps}", f"train.eval_every={steps}", f"train.checkpoint_every={steps}"]
+    return C.load("cpu", sets)
 
 
 def main() -> None:
@@ -154,37 +186,54 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4, help="alternating rounds per configuration (default 4)")
     ap.add_argument("--depths", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--precisions", nargs="+", default=["float32", "bf16"], choices=["float32", "bf16"])
     ap.add_argument("--compile", action="store_true", help="qkgeom side with train.compile = true (torch.compile)")
     args = ap.parse_args()
     require_wikitext()
+    from qkgeom.training.precision import cpu_signature
+
     nanogpt = load_nanogpt(args.nanogpt)
     peer = f"nanoGPT model.py ({args.nanogpt})" if nanogpt else "in-file nanoGPT-style loop (no --nanogpt given)"
+    print(f"machine: {cpu_signature()}")
     print(f"peer: {peer}; {args.rounds} alternating rounds of {args.steps} steps per configuration")
     for threads in args.threads:
         torch.set_num_threads(threads)
         for depth in args.depths:
-            cfg = scaled_config(depth, args.steps, args.compile)
-            corpus = load_corpus(cfg.data)
-            data, tokens = corpus.splits["train"], args.steps * cfg.train.batch_size * cfg.model.n_ctx
-            peer_round(cfg, nanogpt, corpus.vocab.size, data, 3, 0)  # warm-up
-            ratios, ours_tps, peer_tps, probe_share = [], [], [], []
-            for r in range(args.rounds):
-                with tempfile.TemporaryDirectory() as tmp:
-                    done = json.loads(train(cfg, Path(tmp) / "run", progress=False).done.read_text())
-                ours = done["segment_seconds"]  # the loop: probes, evals, checkpoints, metrics included
-                theirs = peer_round(cfg, nanogpt, corpus.vocab.size, data, args.steps, r)
-                ratios.append(theirs / ours)
-                ours_tps.append(tokens / ours)
-                peer_tps.append(tokens / theirs)
-                probe_share.append(done["probe_seconds_last_segment"] / ours)
-            lo, hi = stats.t_mean_ci(np.array(ratios))
-            print(
-                f"threads {threads} depth {depth}: qkgeom {np.mean(ours_tps):8.0f} tok/s, "
-                f"peer {np.mean(peer_tps):8.0f} "
-                f"tok/s, ratio {np.mean(ratios):.3f} [95% t {lo:.3f}, {hi:.3f}] (target >= 1.10), "
-                f"probes {100 * np.mean(probe_share):.2f}% (target <= 3%)",
-                flush=True,
-            )
+            base = scaled_config(depth, args.steps)
+            corpus = load_corpus(base.data)
+            data, vocab = corpus.splits["train"], corpus.vocab.size
+            tokens = args.steps * base.train.batch_size * base.model.n_ctx
+            peer_round(base, nanogpt, vocab, data, 3, 0)  # warm-up (and the first AdamW's imports)
+            for precision in args.precisions:
+                bf16 = precision == "bf16"
+                whole = scaled_config(depth, args.steps, args.compile, precision)
+                bare = scaled_config(depth, args.steps, args.compile, precision, bare=True)
+                rows = {k: [] for k in ("step", "bare", "whole", "peer", "probe")}
+                for r in range(args.rounds):
+                    ref = peer_round(base, nanogpt, vocab, data, args.steps, r)  # nanoGPT float32: the yardstick
+                    rows["peer"].append(ref / peer_round(base, nanogpt, vocab, data, args.steps, r, bf16))
+                    rows["step"].append(ref / peer_round(base, nanogpt, vocab, data, args.steps, r, bf16, ours=True))
+                    for name, cfg in (("bare", bare), ("whole", whole)):
+                        with tempfile.TemporaryDirectory() as tmp:
+                            done = json.loads(train(cfg, Path(tmp) / "run", progress=False).done.read_text())
+                        rows[name].append(ref / done["segment_seconds"])  # probes, evals, checkpoints included
+                        if name == "whole":
+                            rows["probe"].append(done["probe_seconds_last_segment"] / done["segment_seconds"])
+                parts = []
+                for name, label in (
+                    ("step", "step"),
+                    ("bare", "bare job"),
+                    ("whole", "whole job"),
+                    ("peer", "nanoGPT"),
+                ):
+                    lo, hi = stats.t_mean_ci(np.array(rows[name]))
+                    parts.append(f"{label} {np.mean(rows[name]):.3f}x [{lo:.3f}, {hi:.3f}]")
+                print(
+                    f"threads {threads} depth {depth} {precision:7s} vs nanoGPT float32 ({tokens} tokens a round): "
+                    + "; ".join(parts)
+                    + f"; probes {100 * np.mean(rows['probe']):.2f}% of the whole job",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":
