@@ -176,3 +176,31 @@ def test_holm_matches_a_hand_computation():
     p = np.array([0.01, 0.04, 0.03, 0.005, np.nan])
     np.testing.assert_allclose(stats.holm(p)[:4], [0.03, 0.06, 0.06, 0.02])
     assert np.isnan(stats.holm(p)[4])
+
+
+def test_a_studys_margin_reaches_every_judged_row_without_one():
+    """apply_margin: an inconclusive row reads "rules out" only if its 90% interval lies inside +-d;
+    holds/fails rows and rows that carry their own margin or no 90% interval keep their reading."""
+    import pandas as pd
+
+    from qkgeom.analysis.claims import apply_margin
+
+    rows = pd.DataFrame(
+        {
+            "verdict": ["inconclusive", "inconclusive", "holds", "inconclusive", "inconclusive"],
+            "n": [12] * 5,
+            "ci_low": [-0.05, -0.2, 0.1, -0.01, -1.0],
+            "ci_high": [0.04, 0.1, 0.3, 0.01, 1.0],
+            "ci90_low": [-0.04, -0.15, 0.12, -0.008, np.nan],
+            "ci90_high": [0.03, 0.08, 0.28, 0.008, np.nan],
+            "margin": [np.nan, np.nan, np.nan, 0.0488, np.nan],
+            "reading": ["", "", "", "kept", ""],
+        }
+    )
+    out = apply_margin(rows, 0.05)
+    assert out["reading"][0] == "rules out |effect| >= 0.05 (TOST: 90% CI [-0.04, 0.03] inside +-0.05)"
+    assert out["reading"][1] == "inconclusive, CI [-0.2, 0.1]"
+    assert out["reading"][2] == "" and out["margin"][2] == 0.05
+    assert out["reading"][3] == "kept" and out["margin"][3] == 0.0488  # its own margin (a scale check)
+    assert out["reading"][4] == "" and np.isnan(out["margin"][4])  # no 90% interval: left alone
+    assert apply_margin(rows, np.nan).equals(rows)

@@ -272,6 +272,30 @@ def reading(
     return f"inconclusive, CI [{_g(lo)}, {_g(hi)}]" if np.isfinite(lo) else "inconclusive, no interval (n < 2)"
 
 
+def apply_margin(claims: pd.DataFrame, margin: float) -> pd.DataFrame:
+    """A study's pre-registered equivalence margin on every judged row that has none yet: an
+    inconclusive row whose 90% interval lies inside +-margin then reads "rules out |effect| >= margin"
+    (TOST); rows without a 90% interval (Fieller ratios) are left as they are."""
+    if not np.isfinite(margin):
+        return claims
+    out = claims.copy()
+    lo90 = pd.to_numeric(out["ci90_low"], errors="coerce")
+    hi90 = pd.to_numeric(out["ci90_high"], errors="coerce")
+    todo = (
+        out["verdict"].isin(["holds", "fails", "inconclusive"]) & pd.to_numeric(out["margin"], errors="coerce").isna()
+    )
+    todo &= lo90.notna() & hi90.notna()
+    for i in out.index[todo]:
+        r = out.loc[i]
+        equivalent = stats.inside_margin(float(lo90[i]), float(hi90[i]), margin)
+        out.loc[i, "margin"] = margin
+        out.loc[i, "reading"] = reading(
+            r["verdict"], int(r["n"]), float(r["ci_low"]), float(r["ci_high"]), margin, equivalent,
+            float(lo90[i]), float(hi90[i]),
+        )  # fmt: skip
+    return out
+
+
 def _g(x: float) -> str:
     return f"{x:.3g}"
 

@@ -91,7 +91,9 @@ def analyze(path: str | Path) -> Analysis:
     if (path / FAMILY_DIR).is_dir():  # a family study: its runs' checkpoints analysed as families
         parts.append(write_family_tables(path))
     claims = pd.concat(parts, ignore_index=True)
-    claims = A.numeric_columns(A.adjust_primary(claims, study_analysis(path).get("primary", [])))
+    pre = study_analysis(path)
+    claims = A.apply_margin(claims, float(pre.get("margin", np.nan)))  # the pre-registered TOST margin, if any
+    claims = A.numeric_columns(A.adjust_primary(claims, pre.get("primary", [])))
     tables["verdicts"] = verdicts(claims)
     for name, df in {"summary": traj, "claims": claims, **tables}.items():
         write_table(path, name, df, parquet=True)
