@@ -501,3 +501,7 @@ def test_zero_training_complement_on_a_none_run(tmp_path):
     assert per.loc["temperature:logit:1"].abs().max() < 1e-4
     assert (per.loc["temperature:logit:0.5"].xs(0, level="layer") > 0).all()
     assert np.isfinite(per.loc["hold:key:matched"]).all()  # near init (20 steps) hold barely moves it
+    from qkgeom.analysis.claims import load_runs
+
+    loaded = load_runs(tmp_path / "none")  # the analysis keeps every arm's rows (site = the arm)
+    assert set(loaded.loc[loaded.metric == I.INSTANT_METRIC, "site"]) == set(labels)

@@ -24,6 +24,7 @@ import pandas as pd
 
 from qkgeom.analysis import stats
 from qkgeom.analysis.claims import _finish, claim_row, layer_metric, seed_row, transient_ends, window
+from qkgeom.analysis.runs import INSTANT_METRIC
 
 # Pre-registered directions (configs/study-intervention-*.toml, study-causal-cpu.toml): each arm's
 # intended effect on its mediator and predicted effect on attention entropy, by kind.
@@ -53,7 +54,7 @@ TARGET = {"key": "W_K", "interaction": "W_Q W_K^T", "activation": "the key activ
 # per-seed log ratio) before its outcome is read
 SCALE_MARGIN = float(np.log(1.05))
 SHAPE_DOSE_CLAIM = "dose-response at matched logit scale: slope of attention entropy on log activation PR_K"
-INSTANT_METRIC = "attention_entropy_instant_change"  # training.interventions.INSTANT_METRIC
+
 DOSE_CLAIM = "dose-response: slope of attention entropy on log activation PR_K"  # the pre-registered name
 MATCHED_ARM = "hold:key"
 

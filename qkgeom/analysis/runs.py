@@ -14,6 +14,8 @@ from qkgeom.errors import QKGeomError
 from qkgeom.probing.archs import one_site
 from qkgeom.results import RECORDS_DIR, RunDir, is_pretrained_output, read_json
 
+INSTANT_METRIC = "attention_entropy_instant_change"  # training.interventions.INSTANT_METRIC: site = an arm
+
 RUN_COLUMNS = ["run_id", "n_layers", "qk_init", "seed", "data_seed", "intervention", "steps", "warmup_steps"]
 
 
@@ -158,7 +160,11 @@ def _checked_geometry(rd: RunDir) -> pd.DataFrame:
     if geometry.empty:
         raise ValueError("geometry.parquet holds no rows")
     if geometry["site"].nunique() > 1:  # a qkgeom.Probe run of a rotary / q/k-norm model: one site per metric
-        geometry = pd.concat([one_site(g) for _, g in geometry.groupby("metric", sort=False)], ignore_index=True)
+        # (the zero-training complement's rows name an arm in `site`, not a place in the model: all kept)
+        geometry = pd.concat(
+            [g if name == INSTANT_METRIC else one_site(g) for name, g in geometry.groupby("metric", sort=False)],
+            ignore_index=True,
+        )
     return geometry
 
 
