@@ -344,10 +344,10 @@ def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     summaries (PR of s^2, s_max) resolve. If the float32 solve fails (it can, on some CPUs, for
     ill-conditioned input), :func:`robust_eigvalsh` falls back to float64, then to an SVD.
     """
-    work = torch.float64 if q.dtype == torch.float64 or k.dtype == torch.float64 else torch.float32
-    scores = q.detach().to(work) @ k.detach().to(work).transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
+    scores, visible = _visible_scores(q, k, causal)
+    work = scores.dtype
     if causal:
-        scores = torch.tril(scores)
+        scores = torch.where(visible, scores, torch.zeros((), dtype=work, device=scores.device))
     # normalise first (singular values scale linearly) so float32 cannot overflow on huge weights
     top = torch.maximum(scores.amax(dim=(-1, -2), keepdim=True), -scores.amin(dim=(-1, -2), keepdim=True))
     scale = top.clamp_min(torch.finfo(work).tiny)

@@ -49,7 +49,13 @@ import numpy as np
 import torch
 
 from qkgeom.config import InterventionConfig
-from qkgeom.probing.geometry import interaction_singular_values, participation_ratio, singular_values, triangular_factor
+from qkgeom.probing.geometry import (
+    input_logit_scale,
+    interaction_singular_values,
+    participation_ratio,
+    singular_values,
+    triangular_factor,
+)
 
 Tensor = torch.Tensor
 # the probe metric each control acts on (a per-head row in geometry.parquet)
@@ -396,9 +402,9 @@ class SpectrumControl:
             for (li, h), t in zip(self._pairs, self.target_prs(step).tolist(), strict=True)
         ]
         if self.cfg.kind == "shape":
-            raised = (self.target_prs(step) < self.cfg.floor).tolist()
+            raised = [float(r["value"] < self.cfg.floor) for r in out]
             out += [
-                {"layer": li, "head": h, "site": "none", "metric": FLOOR_METRIC, "value": float(r)}
+                {"layer": li, "head": h, "site": "none", "metric": FLOOR_METRIC, "value": r}
                 for (li, h), r in zip(self._pairs, raised, strict=True)
             ]
         return out
@@ -431,14 +437,10 @@ def logit_scale(w_q: Tensor, w_k: Tensor, cov_x: Tensor, mean_x: Tensor | None =
     mean_x None (or zero) this is tr(M C M^T C), the spec's formula for centred inputs.
     w_q, w_k (H, D, E); cov_x (D, D) or (H, D, D); mean_x (D,) or (H, D); returns (H,) in float64."""
     w_q, w_k, c = w_q.to(torch.float64), w_k.to(torch.float64), cov_x.to(torch.float64)
-    s = c
-    if mean_x is not None:
-        mu = mean_x.to(torch.float64)
-        s = c + mu.unsqueeze(-1) * mu.unsqueeze(-2)
-    # tr(M C M^T S) = tr((W_K^T C W_K)(W_Q^T S W_Q)) / E: E x E products, not D x D
-    cov_k = w_k.transpose(-1, -2) @ c @ w_k
-    second_q = w_q.transpose(-1, -2) @ s @ w_q
-    return (cov_k * second_q.transpose(-1, -2)).sum((-2, -1)) / w_q.shape[-1]
+    # tr(M C M^T S) = tr((Cov q + mu_q mu_q^T) Cov k) / E with Cov q = W_Q^T C W_Q, mu_q = W_Q^T mu,
+    # Cov k = W_K^T C W_K: the probe's input_logit_scale of the heads' own covariances (E x E products)
+    mean_q = None if mean_x is None else (mean_x.to(torch.float64).unsqueeze(-2) @ w_q).squeeze(-2)
+    return input_logit_scale(w_q.transpose(-1, -2) @ c @ w_q, w_k.transpose(-1, -2) @ c @ w_k, mean_q)
 
 
 def match_logit_scale(
