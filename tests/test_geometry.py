@@ -309,3 +309,25 @@ def test_energy_rank_and_the_row_centred_logit_spectrum_known_values():
     low = q.clone()
     low[..., 2:] = 0.0  # queries in two dimensions: the logits have rank <= 2
     assert (energy_rank(centred_logit_singular_values(low, k, causal=False)) <= 2).all()
+
+
+def test_row_centred_logit_spectrum_low_rank_route_is_exact():
+    """Without the causal mask the centred logits are Q K_c^T (rank <= d_head), solved as a d_head
+    problem: equal to float64 SVD of the T x T matrix to ~1e-12, for float32 probes (the training
+    probe's dtype), for T < d_head, padded with zeros to T; non-finite input takes the T x T route."""
+    from qkgeom.probing.geometry import centred_logit_singular_values
+
+    g = torch.Generator().manual_seed(1)
+    for t, e in ((128, 32), (16, 32), (40, 8)):
+        q = torch.randn(3, 4, t, e, generator=g)  # float32, as the training probe captures them
+        k = torch.randn(3, 4, t, e, generator=g) * 3 + 1  # a key mean, which the centring removes
+        s = q.double() @ k.double().transpose(-1, -2) / math.sqrt(e)
+        want = torch.linalg.svdvals(s - s.mean(-1, keepdim=True))
+        got = centred_logit_singular_values(q, k, causal=False)
+        assert got.shape == (3, 4, t) and got.dtype == torch.float64
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12 * float(want.max()))
+        assert (got[..., min(t, e) :] == 0).all()
+    bad = torch.randn(1, 1, 16, 8)
+    bad[0, 0, 3, 2] = float("nan")
+    with pytest.warns(G.NumericalWarning):
+        assert torch.isnan(centred_logit_singular_values(bad, torch.randn(1, 1, 16, 8), causal=False)).all()

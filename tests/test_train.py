@@ -45,6 +45,12 @@ def test_run_folder_is_complete_and_deterministic(tmp_path):
     assert last[2] < first[2]  # it learns
     c = train(tiny_config(train={"steps": 20, "seed": 1}), tmp_path / "c", progress=False)
     assert losses(c) != losses(a)
+    # where the job's time went besides its steps (bench/train_throughput.py): each part timed, and
+    # together less than the segment they are part of
+    done = json.loads(a.done.read_text())
+    parts = [done[f"{p}_seconds_last_segment"] for p in ("probe", "eval", "checkpoint")] + [done["consolidate_seconds"]]
+    assert all(p > 0 for p in parts) and sum(parts) < done["segment_seconds"]
+    assert done["startup_seconds_last_segment"] > 0
 
 
 def cli(*args, **kw):

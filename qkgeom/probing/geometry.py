@@ -380,7 +380,19 @@ def _visible_scores(q: Tensor, k: Tensor, causal: bool) -> tuple[Tensor, Tensor]
 def centred_logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     """Singular values (descending, float64) of the row-centred score matrix: S = Q K^T / sqrt(d_head),
     each query row minus its mean over the keys it sees, unseen entries zero (the data side of a head's
-    logits, the "energy field" whose components are counted against W_Q W_K^T's). (..., T)."""
+    logits, the "energy field" whose components are counted against W_Q W_K^T's). (..., T).
+
+    Without the causal mask the centred matrix is low-rank: each row minus its mean over all keys is
+    q_i . (k_j - mean k) / sqrt(d_head), i.e. Q K_c^T with K_c the keys centred over positions, so its
+    singular values are those of R_Q R_Kc^T (triangular factors, min(T, d_head) square), padded with
+    zeros to T: exact, in float64, and d_head^3 instead of T^3 work (the probe's costliest solve)."""
+    if not causal and bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()):
+        qd = q.detach().to(torch.float64)
+        kc = k.detach().to(torch.float64)
+        kc = kc - kc.mean(-2, keepdim=True)
+        sv = interaction_singular_values(qd, kc) / math.sqrt(q.shape[-1])  # (..., min(T, E))
+        pad = q.shape[-2] - sv.shape[-1]
+        return torch.nn.functional.pad(sv, (0, pad)) if pad > 0 else sv
     scores, visible = _visible_scores(q, k, causal)
     work = scores.dtype
     zero = torch.zeros((), dtype=work, device=scores.device)

@@ -234,6 +234,7 @@ class _Run:
     probe, evaluate, checkpoint, one optimiser step, finish."""
 
     def __init__(self, cfg: C.RunConfig, rd: RunDir, resumed: bool, tb: TensorBoardLog | None = None) -> None:
+        tic = time.perf_counter()
         self.cfg, self.rd, self.resumed = cfg, rd, resumed
         t, m = cfg.train, cfg.model
         if t.threads:
@@ -276,13 +277,16 @@ class _Run:
         self.tokens_per_step = t.batch_size * m.n_ctx
         self.loss_ceiling = DIVERGED_LOSS_FACTOR * math.log(corpus.vocab.size)
         self.start, self.elapsed0 = 0, 0.0
-        self.probe_seconds = 0.0  # this process's time in probes (reported in done.json)
+        # this process's seconds in each kind of work besides the optimiser steps (done.json): where a
+        # whole job's time goes beyond its training steps (bench/train_throughput.py reads them)
+        self.probe_seconds = self.eval_seconds = self.checkpoint_seconds = 0.0
         self.tb = tb  # layer-mean scalars per probe, if asked for
         if resumed:
             self._restore()
         else:
             self._start_fresh(corpus, n_probe)
         self.t0 = time.perf_counter()
+        self.startup_seconds = self.t0 - tic  # corpus, model, optimiser, probe batch (and a restore)
 
     def _cpu_bf16_attention(self) -> dict:
         t, m = self.cfg.train, self.cfg.model
@@ -384,6 +388,7 @@ class _Run:
         return I.instant_rows(self.model, self.probe_idx, self.instant, step, current)
 
     def evaluate(self, step: int) -> None:
+        tic = time.perf_counter()
         self.check_finite(step)
         val = evaluate(self.model, self.valid_data, self.cfg.train, self.cfg.model.n_ctx, self.device)
         self.rd.append_metrics(
@@ -395,11 +400,13 @@ class _Run:
                 "elapsed": self.clock(),
             }
         )
+        self.eval_seconds += time.perf_counter() - tic
 
     def checkpoint(self, step: int) -> None:
         t = self.cfg.train
         if step not in self.kept and step % t.checkpoint_every and step != t.steps:
             return
+        tic = time.perf_counter()
         self.check_finite(step)  # never let a diverged state overwrite the last good checkpoint
         state = {
             "model": self.model.state_dict(),
@@ -412,6 +419,7 @@ class _Run:
             self.rd.save_checkpoint(state, kept_checkpoint(step))
         if step % t.checkpoint_every == 0 or step == t.steps:
             self.rd.save_checkpoint(state, LAST_CHECKPOINT)
+        self.checkpoint_seconds += time.perf_counter() - tic
 
     def train_step(self, step: int) -> float:
         """The update at loop index `step` (data and lr are pure functions of it); its loss."""
@@ -453,6 +461,7 @@ class _Run:
         return loss_value
 
     def finish(self) -> None:
+        tic = time.perf_counter()
         self.rd.consolidate_probes()  # parts -> geometry.parquet, spectra.npz (one O(run) write)
         write_json(
             self.rd.done,
@@ -461,6 +470,10 @@ class _Run:
                 "elapsed": self.clock(),
                 "final_valid_loss": self.rd.read_metrics()[-1]["loss"],
                 "probe_seconds_last_segment": self.probe_seconds,
+                "eval_seconds_last_segment": self.eval_seconds,
+                "checkpoint_seconds_last_segment": self.checkpoint_seconds,
+                "consolidate_seconds": time.perf_counter() - tic,
+                "startup_seconds_last_segment": self.startup_seconds,
                 "segment_seconds": self.segment(),
                 "attention_path": self.attention,
             },
