@@ -244,3 +244,40 @@ def test_load_runs_skips_unfinished_and_corrupt(tmp_path):
     assert json.loads((tmp_path / "r2" / "config.json").read_text())  # nothing deleted
     with pytest.raises(A.AnalysisError, match="no finished runs"), pytest.warns(A.RunWarning):
         A.load_runs(tmp_path / "r1")
+
+
+def test_lifecycle_depth_recovers_a_planted_depth_profile():
+    """spectral.lifecycle_depth on planted trajectories: W_Q's alpha changes by 0.5 l in layer l of 4
+    (slope 1.5 per whole depth, spread 0.5 sd(0..3)), W_V's PR by the run's own uniform -r (no
+    spread, no slope); the window starts where `starts` says, and the Q/K - V/O spread contrast is
+    paired per run."""
+    from qkgeom.analysis import spectral
+
+    rows = []
+    for r in (1, 2, 3):
+        for step in (0, 10, 20):
+            for layer in range(4):
+                for matrix, (alpha, pr) in spectral.MATRICES.items():
+                    a = 3.0 + (0.5 * layer * (step - 10) / 10 if matrix == "W_Q" and step >= 10 else 0.0)
+                    p = 20.0 - (r * (step - 10) / 10 if matrix == "W_V" and step >= 10 else 0.0)
+                    if step == 0:  # the transient: a collapse the window leaves out
+                        a, p = 9.0 * (layer + 1), 1.0
+                    for metric, value in ((alpha, a), (pr, p)):
+                        rows.append({"run_id": f"r{r}", "step": step, "layer": layer, "head": -1, "site": "none",
+                                     "metric": metric, "value": value})  # fmt: skip
+    g = pd.DataFrame(rows)
+    t = spectral.lifecycle_depth(g, {"r1": 10, "r2": 10, "r3": 10}).set_index(["matrix", "quantity", "statistic"])
+    assert t.loc[("W_Q", "alpha", "depth slope"), "mean"] == pytest.approx(1.5)
+    assert t.loc[("W_Q", "alpha", "depth spread"), "mean"] == pytest.approx(0.5 * np.std([0, 1, 2, 3], ddof=1))
+    assert t.loc[("W_Q", "alpha", "mean change"), "mean"] == pytest.approx(0.75)
+    wv = t.loc[("W_V", "pr", "mean change")]
+    assert wv["mean"] == pytest.approx(-2.0) and wv["n"] == 3 and wv["positive"] == 0
+    lo, hi = stats.t_mean_ci(np.array([-1.0, -2.0, -3.0]))
+    assert (wv["ci_low"], wv["ci_high"]) == pytest.approx((lo, hi))
+    assert t.loc[("W_V", "pr", "depth spread"), "mean"] == pytest.approx(0.0, abs=1e-12)
+    contrast = t.loc[("Q/K - V/O", "alpha", "Q/K - V/O depth spread"), "mean"]
+    assert contrast == pytest.approx(0.5 * 0.5 * np.std([0, 1, 2, 3], ddof=1))  # W_Q's spread, halved by W_K's 0
+    # from the first probe instead, the step-0 collapse enters every change
+    assert spectral.lifecycle_depth(g).set_index(["matrix", "quantity", "statistic"]).loc[
+        ("W_K", "pr", "mean change"), "mean"
+    ] == pytest.approx(19.0)

@@ -304,6 +304,15 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
     return {k: (cap, _png(fig)) for k, (cap, fig) in figs.items()}
 
 
+def lifecycle_depth(a: Analysis) -> pd.DataFrame:
+    """spectral.lifecycle_depth over the unconstrained runs, each from its detected transient end."""
+    g = a.geometry
+    base = g[g["intervention"] == "none"] if "intervention" in g else g
+    if base.empty:
+        return spectral.lifecycle_depth(base)
+    return spectral.lifecycle_depth(base, A.transient_ends(base).to_dict())
+
+
 def _spectral_run(a: Analysis) -> tuple[str, pd.DataFrame] | None:
     """The run whose spectral figures the report shows: the first unconstrained run (lowest seed)."""
     g = a.geometry
@@ -416,6 +425,9 @@ def write_report(a: Analysis, sections: list[str] = ()) -> Path:
     spectral_run = _spectral_run(a)
     if spectral_run is not None and len(ranks := spectral.energy_ranks(spectral_run[1])):
         write_table(out, "energy_ranks", ranks.assign(run_id=spectral_run[0]))
+    life_depth = lifecycle_depth(a)
+    if len(life_depth):
+        write_table(out, "lifecycle_depth", life_depth)
     claims = a.claims.copy()
     for c in ("value", "ci_low", "ci_high", "p_value"):
         claims[c] = claims[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
@@ -449,6 +461,14 @@ def write_report(a: Analysis, sections: list[str] = ()) -> Path:
         claims.to_html(index=False, escape=True),
         "</details>",
     ]
+    if len(life_depth):
+        parts += [
+            "<details><summary><b>Spectral lifecycle by depth</b> (lifecycle_depth.csv; exploratory): per "
+            "unconstrained run, each layer's change of alpha and PR from its transient end to the last probe; "
+            "its spread and slope over depth, Q/K against V/O, 95% t over runs</summary>",
+            life_depth.to_html(index=False, escape=True, float_format=lambda v: f"{v:.4g}"),
+            "</details>",
+        ]
     if len(a.sensitivity):
         parts += [
             "<details><summary><b>Window sensitivity table</b></summary>",
