@@ -228,13 +228,16 @@ def test_bf16_on_a_cpu_times_both_attention_kernels_once_and_records_the_faster(
     from qkgeom.training import precision
 
     monkeypatch.setenv("QKGEOM_CACHE", str(tmp_path / "cache"))
-    rd = train(tiny_config(train={"steps": 5, "precision": "bf16"}), tmp_path / "a", progress=False)
+    monkeypatch.setattr(precision, "native_bf16", lambda: False)  # an AVX2 CPU: bf16 emulated, said so
+    with pytest.warns(UserWarning, match="without bf16 arithmetic"):
+        rd = train(tiny_config(train={"steps": 5, "precision": "bf16"}), tmp_path / "a", progress=False)
     first = json.loads(rd.config.read_text())["attention_path"]
+    assert first["native_bf16"] is False
     assert first["path"] in precision.BACKENDS and set(first["ms"]) == set(precision.BACKENDS)
     assert first["path"] == min(first["ms"], key=first["ms"].get) and not first["cached"]
     assert json.loads(rd.done.read_text())["attention_path"] == first
     cache = json.loads((tmp_path / "cache" / precision.CACHE_FILE).read_text())
-    assert cache[first["machine"]] == {"path": first["path"], "ms": first["ms"]}
+    assert cache[first["machine"]] == {"path": first["path"], "ms": first["ms"], "native_bf16": False}
     again = train(tiny_config(train={"steps": 5, "precision": "bf16", "seed": 1}), tmp_path / "b", progress=False)
     second = json.loads(again.config.read_text())["attention_path"]
     assert second["cached"] and second["path"] == first["path"]

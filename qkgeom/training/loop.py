@@ -295,7 +295,14 @@ class _Run:
         )
         x, y = torch.from_numpy(x), torch.from_numpy(y)
         shape = f"batch {t.batch_size}x{m.n_ctx}, {m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads"
-        return choose_cpu_attention(self.model, lambda: self.forward_loss(x, y), shape, cache_dir())
+        choice = choose_cpu_attention(self.model, lambda: self.forward_loss(x, y), shape, cache_dir())
+        if not choice.get("native_bf16", True):
+            warnings.warn(
+                "train.precision = bf16 on a CPU without bf16 arithmetic (no amx_bf16 / avx512_bf16): it is "
+                "emulated here and slower than float32 (train.precision = float32 is faster on this machine)",
+                stacklevel=2,
+            )
+        return choice
 
     def _restore(self) -> None:
         rd = self.rd

@@ -27,8 +27,7 @@ BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 CACHE_FILE = "attention_paths.json"
 
 
-def cpu_signature() -> str:
-    """The CPU model and its bf16 / AVX-512 flags, and the torch version: what the timing depends on."""
+def _cpu_model_and_flags() -> tuple[str, set[str]]:
     model, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -38,8 +37,20 @@ def cpu_signature() -> str:
                 flags = set(line.split(":", 1)[1].split())
     except OSError:  # not Linux: the platform strings alone
         pass
+    return model, flags
+
+
+def cpu_signature() -> str:
+    """The CPU model and its bf16 / AVX-512 flags, and the torch version: what the timing depends on."""
+    model, flags = _cpu_model_and_flags()
     wanted = [f for f in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if f in flags]
     return f"{model} [{' '.join(wanted)}] torch {torch.__version__}"
+
+
+def native_bf16() -> bool:
+    """Whether this CPU has bf16 arithmetic (AMX or AVX-512 BF16); elsewhere oneDNN emulates bf16 through
+    float32 and a bf16 step is slower than a float32 one (measured on an AVX2 AMD EPYC, docs/LOG.md)."""
+    return bool(_cpu_model_and_flags()[1] & {"amx_bf16", "avx512_bf16"})
 
 
 @contextlib.contextmanager
@@ -95,7 +106,11 @@ def choose_cpu_attention(
             continue
     for p in model.parameters():
         p.grad = None
-    choice = {"path": min(ms, key=ms.get) if ms else None, "ms": {k: round(v, 2) for k, v in ms.items()}}
+    choice = {
+        "path": min(ms, key=ms.get) if ms else None,
+        "ms": {k: round(v, 2) for k, v in ms.items()},
+        "native_bf16": native_bf16(),
+    }
     if path is not None and choice["path"] is not None:
         known[key] = choice
         path.parent.mkdir(parents=True, exist_ok=True)
