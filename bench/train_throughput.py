@@ -209,11 +209,12 @@ def main() -> None:
     )
     args = ap.parse_args()
     require_wikitext()
-    from qkgeom.training.precision import cpu_signature
+    from qkgeom.training.precision import cpu_signature, native_bf16
 
     nanogpt = load_nanogpt(args.nanogpt)
     peer = f"nanoGPT model.py ({args.nanogpt})" if nanogpt else "in-file nanoGPT-style loop (no --nanogpt given)"
-    print(f"machine: {cpu_signature()}")
+    arith = "native" if native_bf16() else "emulated (no AMX / AVX-512 BF16)"
+    print(f"machine: {cpu_signature()}; bf16 arithmetic: {arith}")
     print(f"peer: {peer}; {args.rounds} alternating rounds of {args.steps} steps per configuration")
     for threads in args.threads:
         torch.set_num_threads(threads)
