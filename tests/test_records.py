@@ -11,25 +11,32 @@ from qkgeom.analysis.records import recorded_runs, write_record
 from qkgeom.cli import main
 from tests.conftest import REPO, tiny_config
 
-COMMITTED = REPO / "docs" / "results" / "ladder-cpu"
+RESULTS = REPO / "docs" / "results"
+# committed studies with records: the tables each must re-derive byte-identical, and its primary ids
+REDERIVED = {
+    "ladder-cpu": (("claims.csv", "verdicts.csv", "ladder_key_slopes.csv"), ["L1", "L2", "L3", "L4"]),
+    "study-keys-cpu": (("claims.csv", "verdicts.csv"), ["P1"]),
+}
 
 
-def test_a_committed_study_reanalyses_byte_identical(tmp_path, capsys):
-    """`qkgeom analyze docs/results/ladder-cpu` from the records alone rewrites the committed
-    claims.csv and verdicts.csv exactly: every committed verdict is re-derivable."""
-    if not (COMMITTED / "runs").is_dir():
-        pytest.skip("no committed ladder records")
-    copy = tmp_path / "ladder-cpu"
-    shutil.copytree(COMMITTED / "runs", copy / "runs")
-    shutil.copy(COMMITTED / "sweep.json", copy / "sweep.json")
+@pytest.mark.parametrize("study", sorted(REDERIVED))
+def test_a_committed_study_reanalyses_byte_identical(study, tmp_path, capsys):
+    """`qkgeom analyze docs/results/<study>` from the records alone rewrites the committed tables
+    exactly: every committed verdict is re-derivable."""
+    committed = RESULTS / study
+    if not (committed / "runs").is_dir():
+        pytest.skip(f"no committed {study} records")
+    names, primary = REDERIVED[study]
+    copy = tmp_path / study
+    shutil.copytree(committed / "runs", copy / "runs")
+    shutil.copy(committed / "sweep.json", copy / "sweep.json")
     assert main(["analyze", str(copy)]) == 0, capsys.readouterr().err
-    for name in ("claims.csv", "verdicts.csv", "ladder_key_slopes.csv"):
-        assert (copy / name).read_bytes() == (COMMITTED / name).read_bytes(), name
+    for name in names:
+        assert (copy / name).read_bytes() == (committed / name).read_bytes(), name
     claims = pd.read_csv(copy / "claims.csv")
-    assert sorted(claims.loc[claims["primary"].notna(), "primary"]) == ["L1", "L2", "L3", "L4"]
+    assert sorted(claims.loc[claims["primary"].notna(), "primary"]) == primary
 
 
-@pytest.mark.usefixtures("wikitext")
 def test_a_record_is_a_slim_run_folder_that_analyses_the_same(tmp_path):
     from qkgeom.report.study import analyze
     from qkgeom.training.loop import train
