@@ -304,10 +304,14 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
     return {k: (cap, _png(fig)) for k, (cap, fig) in figs.items()}
 
 
+def _unconstrained(g: pd.DataFrame) -> pd.DataFrame:
+    """The rows of runs without an intervention (all rows where the table has no intervention column)."""
+    return g[g["intervention"] == "none"] if "intervention" in g else g
+
+
 def lifecycle_depth(a: Analysis) -> pd.DataFrame:
     """spectral.lifecycle_depth over the unconstrained runs, each from its detected transient end."""
-    g = a.geometry
-    base = g[g["intervention"] == "none"] if "intervention" in g else g
+    base = _unconstrained(a.geometry)
     if base.empty:
         return spectral.lifecycle_depth(base)
     return spectral.lifecycle_depth(base, A.transient_ends(base).to_dict())
@@ -315,8 +319,7 @@ def lifecycle_depth(a: Analysis) -> pd.DataFrame:
 
 def _spectral_run(a: Analysis) -> tuple[str, pd.DataFrame] | None:
     """The run whose spectral figures the report shows: the first unconstrained run (lowest seed)."""
-    g = a.geometry
-    base = g[g["intervention"] == "none"] if "intervention" in g else g
+    base = _unconstrained(a.geometry)
     if base.empty:
         return None
     run_id = base.sort_values(["seed", "run_id"])["run_id"].iloc[0]
