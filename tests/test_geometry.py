@@ -331,3 +331,20 @@ def test_row_centred_logit_spectrum_low_rank_route_is_exact():
     bad[0, 0, 3, 2] = float("nan")
     with pytest.warns(G.NumericalWarning):
         assert torch.isnan(centred_logit_singular_values(bad, torch.randn(1, 1, 16, 8), causal=False)).all()
+
+
+def test_gram_singular_values_equal_the_svd_in_both_orientations_and_nan_on_bad_input():
+    """The probe's weight side takes s from the smaller Gram matrix's eigenvalues: equal to an SVD's
+    (LAPACK gesdd) to float64 rounding on well-conditioned matrices, tall and wide, batched; NaN with
+    a NumericalWarning for non-finite weights, as singular_values gives."""
+    g = torch.Generator().manual_seed(3)
+    for shape in [(5, 128, 32), (3, 32, 128), (128, 128)]:
+        w = torch.randn(*shape, generator=g, dtype=torch.float64) * 0.02
+        ref = torch.linalg.svdvals(w)
+        got = G.gram_singular_values(w.float())  # float32 weights, as a model holds them
+        np.testing.assert_allclose(got.numpy(), torch.linalg.svdvals(w.float().double()).numpy(), rtol=1e-10)
+        assert got.shape == ref.shape and bool((got[..., :-1] >= got[..., 1:]).all())  # descending
+    bad = torch.ones(4, 3)
+    bad[0, 0] = math.nan
+    with pytest.warns(G.NumericalWarning):
+        assert torch.isnan(G.gram_singular_values(bad)).all()

