@@ -339,10 +339,10 @@ def test_gram_singular_values_equal_the_svd_in_both_orientations_and_nan_on_bad_
     a NumericalWarning for non-finite weights, as singular_values gives."""
     g = torch.Generator().manual_seed(3)
     for shape in [(5, 128, 32), (3, 32, 128), (128, 128)]:
-        w = torch.randn(*shape, generator=g, dtype=torch.float64) * 0.02
-        ref = torch.linalg.svdvals(w)
-        got = G.gram_singular_values(w.float())  # float32 weights, as a model holds them
-        np.testing.assert_allclose(got.numpy(), torch.linalg.svdvals(w.float().double()).numpy(), rtol=1e-10)
+        w = (torch.randn(*shape, generator=g, dtype=torch.float64) * 0.02).float()  # as a model holds them
+        ref = torch.linalg.svdvals(w.double())
+        got = G.gram_singular_values(w)
+        np.testing.assert_allclose(got.numpy(), ref.numpy(), rtol=1e-10)
         assert got.shape == ref.shape and bool((got[..., :-1] >= got[..., 1:]).all())  # descending
     bad = torch.ones(4, 3)
     bad[0, 0] = math.nan

@@ -376,11 +376,15 @@ def _spectra_of(mats: list[Tensor]) -> list[Tensor]:
     large pretrained model's float64 copies stay bounded."""
     out: list[Tensor | None] = [None] * len(mats)
     groups: dict[tuple[int, int], list[list[int]]] = {}
+    filled: dict[tuple[int, int], int] = {}  # entries in each shape's open chunk
     for i, m in enumerate(mats):
-        chunks = groups.setdefault((m.shape[-2], m.shape[-1]), [[]])
-        if chunks[-1] and sum(mats[j].numel() for j in chunks[-1]) + m.numel() > _BATCH_ELEMENTS:
+        shape = (m.shape[-2], m.shape[-1])
+        chunks = groups.setdefault(shape, [[]])
+        if chunks[-1] and filled[shape] + m.numel() > _BATCH_ELEMENTS:
             chunks.append([])
+            filled[shape] = 0
         chunks[-1].append(i)
+        filled[shape] = filled.get(shape, 0) + m.numel()
     for idxs in (c for chunks in groups.values() for c in chunks):
         flat = [mats[i].reshape(-1, *mats[i].shape[-2:]) for i in idxs]
         sv = G.gram_singular_values(torch.cat(flat))
