@@ -297,3 +297,34 @@ def test_weight_spectra_solved_together_equal_one_svd_per_matrix(monkeypatch):
     whole = torch.linalg.svdvals(P._whole(w_q[2]).double())
     expected = G.power_law_alpha(whole**2)["alpha"]
     assert math.isfinite(expected) and a[(2, -1, "query_weight_alpha")] == pytest.approx(expected, rel=1e-9)
+
+
+def test_logit_spectra_of_all_layers_solved_together_equal_one_layer_at_a_time():
+    """update() stacks the layers for the logit statistics; the rows equal update_layer() layer by
+    layer, also when the logit cap (5 sequences) is reached inside the second batch, and the logit PR
+    and spectral norm equal a float64 SVD of the causal scores of exactly the first 5 sequences."""
+    g = torch.Generator().manual_seed(4)
+    n_layers, B, H, T, E = 3, 3, 2, 12, 4
+
+    def layers() -> list[torch.Tensor]:
+        return [torch.randn(B, H, T, E, generator=g) for _ in range(n_layers)]
+
+    batches = [(layers(), layers()) for _ in range(2)]
+    together, alone = GeometryAccumulator(logit_max_seqs=5), GeometryAccumulator(logit_max_seqs=5)
+    support = torch.arange(1, T + 1).expand(B, T)
+    for qs, ks in batches:
+        together.update(QKSnapshot(q=qs, k=ks, pattern=[None] * n_layers))
+        for li in range(n_layers):
+            alone.update_layer(li, qs[li], ks[li], None, support)
+    a, b = rows_to_dict(together.rows()), rows_to_dict(alone.rows())
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key] == pytest.approx(b[key], rel=1e-12), key
+    for li in range(n_layers):
+        q = torch.cat([qs[li] for qs, _ in batches])[:5].double()
+        k = torch.cat([ks[li] for _, ks in batches])[:5].double()
+        sv = torch.linalg.svdvals(torch.tril(q @ k.transpose(-1, -2) / math.sqrt(E)))  # (5, H, T)
+        pr = (sv**2).sum(-1) ** 2 / (sv**4).sum(-1)
+        for h in range(H):
+            assert a[(li, h, "logit_participation_ratio")] == pytest.approx(float(pr[:, h].mean()), rel=1e-5)
+            assert a[(li, h, "logit_spectral_norm")] == pytest.approx(float(sv[:, h, 0].mean()), rel=1e-5)

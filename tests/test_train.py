@@ -260,3 +260,24 @@ def test_bf16_on_a_cpu_times_both_attention_kernels_once_and_records_the_faster(
         expected = model.loss(torch.from_numpy(x), torch.from_numpy(y)).item()
     first_train = next(r for r in rd.read_metrics() if r["split"] == "train")
     assert first_train["loss"] == pytest.approx(expected, rel=1e-6)
+
+
+def test_divergence_names_the_first_bad_tensor_and_its_rms():
+    """One fused norm finds a NaN, an RMS over the limit, and values too large for a float32 norm
+    (3e19: its squares overflow, the RMS is still read exactly)."""
+    import torch
+
+    from qkgeom.config import ModelConfig
+    from qkgeom.training.loop import divergence
+    from qkgeom.training.model import GPT
+
+    model = GPT(ModelConfig(n_layers=2, d_model=16, n_heads=2, n_ctx=8), 20, seed=0)
+    assert divergence(model) is None
+    with torch.no_grad():
+        model.blocks[1].fc.weight[0, 0] = float("nan")
+        assert divergence(model) == "blocks.1.fc.weight became non-finite"
+        model.blocks[1].fc.weight[0, 0] = 0.0
+        model.blocks[0].attn.W_K.fill_(250.0)
+        assert divergence(model) == "blocks.0.attn.W_K has RMS 250 (> 100)"
+        model.blocks[0].attn.W_K.fill_(3e19)
+        assert divergence(model) == "blocks.0.attn.W_K has RMS 3e+19 (> 100)"

@@ -359,10 +359,15 @@ def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     summaries (PR of s^2, s_max) resolve. If the float32 solve fails (it can, on some CPUs, for
     ill-conditioned input), :func:`robust_eigvalsh` falls back to float64, then to an SVD.
     """
-    scores, visible = _visible_scores(q, k, causal)
+    return singular_values_of_scores(*visible_scores(q, k, causal))
+
+
+def singular_values_of_scores(scores: Tensor, visible: Tensor) -> Tensor:
+    """:func:`logit_singular_values` from the scores (..., T, T) and the (T, T) mask of visible keys, as
+    :func:`visible_scores` gives them (so callers that also need :func:`row_std_of_scores` form the
+    scores once). `scores` is overwritten (its masked, normalised copy is not needed afterwards)."""
     work = scores.dtype
-    if causal:
-        scores = torch.where(visible, scores, torch.zeros((), dtype=work, device=scores.device))
+    scores.masked_fill_(~visible, 0)
     # normalise first (singular values scale linearly) so float32 cannot overflow on huge weights
     top = torch.maximum(scores.amax(dim=(-1, -2), keepdim=True), -scores.amin(dim=(-1, -2), keepdim=True))
     scale = top.clamp_min(torch.finfo(work).tiny)
@@ -382,11 +387,11 @@ def energy_rank(sv: Tensor, fraction: float = 0.9) -> Tensor:
     return torch.where(total[..., 0] > 0, k.to(torch.float64), torch.zeros_like(k, dtype=torch.float64))
 
 
-def _visible_scores(q: Tensor, k: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+def visible_scores(q: Tensor, k: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
     """Scores q.k / sqrt(d_head) (..., T, T) in float64 for float64 input, else float32, and the (T, T)
     mask of the keys each query sees (lower triangle if causal)."""
     work = torch.float64 if q.dtype == torch.float64 or k.dtype == torch.float64 else torch.float32
-    scores = q.detach().to(work) @ k.detach().to(work).transpose(-1, -2) * (1.0 / math.sqrt(q.shape[-1]))
+    scores = (q.detach().to(work) @ k.detach().to(work).transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))
     t = scores.shape[-1]
     visible = torch.ones(t, t, dtype=torch.bool, device=scores.device)
     return scores, torch.tril(visible) if causal else visible
@@ -408,7 +413,7 @@ def centred_logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> 
         sv = interaction_singular_values(qd, kc) / math.sqrt(q.shape[-1])  # (..., min(T, E))
         pad = q.shape[-2] - sv.shape[-1]
         return torch.nn.functional.pad(sv, (0, pad)) if pad > 0 else sv
-    scores, visible = _visible_scores(q, k, causal)
+    scores, visible = visible_scores(q, k, causal)
     work = scores.dtype
     zero = torch.zeros((), dtype=work, device=scores.device)
     masked = torch.where(visible, scores, zero)
@@ -423,12 +428,16 @@ def logit_row_std(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     """Per query row, the standard deviation of its scores q.k / sqrt(d_head) over the keys it sees
     (all keys, or keys <= its position if causal): the logit scale that sets how peaked its softmax
     can be. q, k: (..., T, d_head) -> (..., T), NaN for rows that see fewer than 2 keys."""
-    scores, visible = _visible_scores(q, k, causal)
+    return row_std_of_scores(*visible_scores(q, k, causal))
+
+
+def row_std_of_scores(scores: Tensor, visible: Tensor) -> Tensor:
+    """:func:`logit_row_std` from the scores (..., T, T) and the (T, T) mask of visible keys (unchanged)."""
     work = scores.dtype
     n = visible.sum(-1).to(work)  # (T,)
-    masked = torch.where(visible, scores, torch.zeros((), dtype=work, device=scores.device))
-    mean = masked.sum(-1) / n
-    dev = torch.where(visible, scores - mean.unsqueeze(-1), torch.zeros((), dtype=work, device=scores.device))
+    zero = torch.zeros((), dtype=work, device=scores.device)
+    mean = torch.where(visible, scores, zero).sum(-1) / n
+    dev = torch.where(visible, scores - mean.unsqueeze(-1), zero)
     std = ((dev**2).sum(-1) / n).sqrt().to(torch.float64)
     return torch.where(n >= 2, std, torch.full_like(std, float("nan")))
 

@@ -87,13 +87,14 @@ class GeometryAccumulator:
         self.site = site
 
     def update(self, snap: QKSnapshot) -> None:
-        """Add one batch of every layer."""
+        """Add one batch of every layer (the logit spectra of all layers solved together)."""
         mask = snap.token_mask
         for i, (q, k, pat) in enumerate(zip(snap.q, snap.k, snap.pattern, strict=True)):
             B, _, T, _ = q.shape
             valid = mask if mask is not None else torch.ones(B, T, dtype=torch.bool)
             support = torch.cumsum(valid.long(), 1) if snap.causal else valid.long().sum(1, keepdim=True).expand(B, T)
-            self.update_layer(i, q, k, pat, support, snap.causal, mask)
+            self._update_stats(i, q, k, pat, support, mask)
+        self._update_logits(list(range(len(snap.q))), snap.q, snap.k, snap.causal, mask, [1.0] * len(snap.q))
         self.site = snap.site
 
     def update_layer(
@@ -110,6 +111,20 @@ class GeometryAccumulator:
         """Add one batch of one layer. q (B, H_q, T, E), k (B, H_kv, T, E), pattern (B, H_q, T, S),
         support (B, T): keys visible to each query; token_mask (B, T): real tokens; logit_scale: the
         model's scores are q k^T / sqrt(E) times this (1 for the standard scaling)."""
+        self._update_stats(layer, q, k, pattern, support, token_mask, logit_scale)
+        self._update_logits([layer], [q], [k], causal, token_mask, [logit_scale])
+
+    def _update_stats(
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        pattern: Tensor | None,
+        support: Tensor | None,
+        token_mask: Tensor | None,
+        logit_scale: float = 1.0,
+    ) -> None:
+        """Everything of update_layer but the logit spectrum: covariances, entropy."""
         while len(self.layers) <= layer:
             self.layers.append(
                 _Layer(G.CovarianceAccumulator(self.gram_dtype), G.CovarianceAccumulator(self.gram_dtype))
@@ -122,9 +137,44 @@ class GeometryAccumulator:
         st.k_all.update(kr.permute(1, 0, 2).reshape(kr.shape[1], -1))
         if pattern is not None:
             self._update_entropy(st, pattern, support, token_mask)
-        room = q.shape[0] if self.logit_max_seqs is None else self.logit_max_seqs - st.logit_n
-        if self.logit_spectrum and token_mask is None and room > 0:
-            self._update_logits(st, q[:room], k[:room], causal, logit_scale, self.pr_convention)
+
+    def _update_logits(
+        self, layers: list[int], qs: list[Tensor], ks: list[Tensor], causal: bool, mask: Tensor | None, scales: list
+    ) -> None:
+        """The logit spectrum of the first sequences (up to logit_max_seqs in all) of each of `layers`;
+        layers of one shape with the same room left are stacked and solved in one batch (same values:
+        every statistic is per matrix)."""
+        if not self.logit_spectrum or mask is not None:
+            return
+        groups: dict[tuple, list[int]] = {}
+        for j, layer in enumerate(layers):
+            st = self.layers[layer]
+            room = qs[j].shape[0] if self.logit_max_seqs is None else self.logit_max_seqs - st.logit_n
+            if room > 0:
+                groups.setdefault((min(room, qs[j].shape[0]), qs[j].shape, ks[j].shape), []).append(j)
+        for (room, _, _), members in groups.items():
+            q = torch.stack([qs[j][:room] for j in members])  # (L, B, H_q, T, E)
+            k = torch.stack([ks[j][:room] for j in members])
+            k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # each query head with the key head it reads
+            sums = _logit_sums(q, k, causal, self.pr_convention)
+            for i, j in enumerate(members):
+                self._add_logits(self.layers[layers[j]], {key: v[i] for key, v in sums.items()}, scales[j], room)
+
+    @staticmethod
+    def _add_logits(st: _Layer, sums: dict, scale: float, n_seqs: int) -> None:
+        """Fold one layer's logit sums (at logit scale 1) into its state, at the model's logit scale."""
+        # the row std and top singular value scale linearly with the logits; PR and energy rank not at all
+        row_std, row_sq = sums["row_std"] * scale, sums["row_std_sq"] * scale**2
+        top = sums["top"] * scale
+        if st.row_std_sum is None:
+            st.row_std_sum, st.row_std_sq_sum = row_std, row_sq
+            st.energy_rank_sum, st.logit_pr_sum, st.logit_top_sum = sums["rank"], sums["pr"], top
+        else:
+            st.row_std_sum, st.row_std_sq_sum = st.row_std_sum + row_std, st.row_std_sq_sum + row_sq
+            st.energy_rank_sum = st.energy_rank_sum + sums["rank"]
+            st.logit_pr_sum, st.logit_top_sum = st.logit_pr_sum + sums["pr"], st.logit_top_sum + top
+        st.row_n += int(sums["row_n"])
+        st.logit_n += n_seqs
 
     @staticmethod
     def _update_entropy(st: _Layer, pat: Tensor, support: Tensor, mask: Tensor | None) -> None:
@@ -139,42 +189,14 @@ class GeometryAccumulator:
         hnv = torch.where(valid, hn, 0.0).sum((0, 2)).cpu()
         n = int(valid[:, 0].sum())  # tokens of head 0 (the per-head sums share it unless rows were non-finite)
         bins = (hn.clamp(0, 1) * (ENTROPY_BINS - 1)).round().long()
-        hist = torch.zeros(H, ENTROPY_BINS, dtype=torch.float64)
-        for hh in range(H):
-            sel = bins[:, hh][valid[:, hh]].cpu()
-            hist[hh].index_add_(0, sel, torch.ones(len(sel), dtype=torch.float64))
+        # one count over (head, bin) cells: the valid rows of head h land in cells h * bins ...
+        cells = (bins + ENTROPY_BINS * torch.arange(H, device=bins.device)[None, :, None])[valid].cpu()
+        hist = torch.bincount(cells, minlength=H * ENTROPY_BINS).reshape(H, ENTROPY_BINS).to(torch.float64)
         if st.ent_sum is None:
             st.ent_sum, st.ent_norm_sum, st.ent_hist = hv, hnv, hist
         else:
             st.ent_sum, st.ent_norm_sum, st.ent_hist = st.ent_sum + hv, st.ent_norm_sum + hnv, st.ent_hist + hist
         st.ent_n += n
-
-    @staticmethod
-    def _update_logits(
-        st: _Layer, q: Tensor, k: Tensor, causal: bool, logit_scale: float = 1.0, convention: str = "variance"
-    ) -> None:
-        group = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)  # each query head with the key head it reads
-        sv = G.logit_singular_values(q, k, causal) * logit_scale  # (B, H, T)
-        row_std = (G.logit_row_std(q, k, causal) * logit_scale).permute(1, 0, 2).reshape(q.shape[1], -1)  # (H, B*T)
-        row_std = row_std[:, torch.isfinite(row_std[0])].cpu()
-        sums = (row_std.sum(-1), (row_std**2).sum(-1))
-        if st.row_std_sum is None:
-            st.row_std_sum, st.row_std_sq_sum = sums
-        else:
-            st.row_std_sum, st.row_std_sq_sum = st.row_std_sum + sums[0], st.row_std_sq_sum + sums[1]
-        st.row_n += row_std.shape[1]
-        # the bilinear form's energy on the data: Q K^T over all key positions (a causal mask would make
-        # any low-rank matrix full-rank), each row centred
-        ranks = G.energy_rank(G.centred_logit_singular_values(q, k, causal=False)).sum(0).cpu()  # (H,)
-        st.energy_rank_sum = ranks if st.energy_rank_sum is None else st.energy_rank_sum + ranks
-        pr = G.participation_ratio_as(sv**2, convention).sum(0).cpu()
-        top = sv[..., 0].sum(0).cpu()
-        if st.logit_pr_sum is None:
-            st.logit_pr_sum, st.logit_top_sum = pr, top
-        else:
-            st.logit_pr_sum, st.logit_top_sum = st.logit_pr_sum + pr, st.logit_top_sum + top
-        st.logit_n += q.shape[0]
 
     def rows(self) -> list[dict]:
         """Tidy rows (layer, head, site, metric, value) for everything streamed so far."""
@@ -257,6 +279,28 @@ class GeometryAccumulator:
             "query_head_eigenvalues": np.stack([s.q_all.block_eigenvalues(s.n_q_heads).numpy() for s in self.layers]),
             "key_head_eigenvalues": np.stack([s.k_all.block_eigenvalues(s.n_k_heads).numpy() for s in self.layers]),
         }
+
+
+def _logit_sums(q: Tensor, k: Tensor, causal: bool, convention: str) -> dict[str, Tensor]:
+    """Per-head sums over the sequences of q, k (..., B, H, T, E) of the logit statistics at logit scale 1:
+    PR of the (causal) score matrix's squared singular values, its top singular value, the 90%-energy
+    rank of the row-centred scores, and the per-row logit std (sum, sum of squares, finite-row count)."""
+    scores, visible = G.visible_scores(q, k, causal)  # formed once for the row std and the spectrum
+    row_std = G.row_std_of_scores(scores, visible).transpose(-3, -2).flatten(-2)  # (..., H, B*T)
+    finite = torch.isfinite(row_std[..., :1, :]).expand_as(row_std)  # rows with >= 2 keys (head 0 decides)
+    row_std = torch.where(finite, row_std, 0.0)
+    sv = G.singular_values_of_scores(scores, visible)  # (..., B, H, T); overwrites scores
+    # the bilinear form's energy on the data: Q K^T over all key positions (a causal mask would make
+    # any low-rank matrix full-rank), each row centred
+    ranks = G.energy_rank(G.centred_logit_singular_values(q, k, causal=False))
+    return {
+        "row_std": row_std.sum(-1).cpu(),
+        "row_std_sq": (row_std**2).sum(-1).cpu(),
+        "row_n": finite[..., 0, :].sum(-1).cpu(),
+        "rank": ranks.sum(-2).cpu(),
+        "pr": G.participation_ratio_as(sv**2, convention).sum(-2).cpu(),
+        "top": sv[..., 0].sum(-2).cpu(),
+    }
 
 
 def _summary(eigs: Tensor, n: int, convention: str = "variance") -> dict[str, Tensor]:

