@@ -15,13 +15,13 @@ Per configuration (threads x depth x precision) it times, in alternating rounds,
 nanoGPT in float32: qkgeom's bare training step (our GPT in the peer's own plain loop), qkgeom's bare
 job (`qkgeom.train` with probes, evaluations and checkpoints only at the first and last step), the
 whole job (probes, evaluations and checkpoints at the cpu preset's intervals), and the peer itself at
-that precision. bf16 is autocast on both sides; qkgeom's bf16 job uses the attention kernel it timed
-fastest here (training/precision.py). Each whole job also reports its time against its own optimiser
-steps (its probes', evaluations', checkpoints' and consolidation's seconds taken out, all timed in
-the one process): on a noisy machine that ratio resolves a few per cent where the between-run ratios
-cannot. The machine's CPU and bf16 flags are printed first. Targets
-(issue 32): whole job >= 0.97x nanoGPT float32 at float32; bf16 >= 1.15x nanoGPT float32 where bf16
-is native (amx_bf16 / avx512_bf16); probes <= 3%.
+that precision. bf16 is autocast on both sides; qkgeom's bf16 step and job use the attention kernel
+it timed fastest here (training/precision.py), nanoGPT its own (PyTorch's default). Each whole job
+also reports its time against its own optimiser steps (its probes', evaluations', checkpoints' and
+consolidation's seconds taken out, all timed in the one process): on a noisy machine that ratio
+resolves a few per cent where the between-run ratios cannot. The machine's CPU and bf16 flags are
+printed first. Targets (issue 32): whole job >= 0.97x nanoGPT float32 at float32; bf16 >= 1.15x
+nanoGPT float32 where bf16 is native (amx_bf16 / avx512_bf16); probes <= 3%.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ from common import require_wikitext  # noqa: E402
 from qkgeom import config as C  # noqa: E402
 from qkgeom.analysis import stats  # noqa: E402
 from qkgeom.training.data import batch_offsets, gather, load_corpus  # noqa: E402
-from qkgeom.training.loop import lr_at, train  # noqa: E402
+from qkgeom.training.loop import cpu_bf16_attention, lr_at, train  # noqa: E402
+from qkgeom.training.precision import attention_path  # noqa: E402
 
 
 class PlainBlock(nn.Module):
@@ -137,7 +138,11 @@ def peer_round(
 
         model = OurGPT(m, vocab, seed=seed)
         opt = make_optimizer(model, t)
-        return _loop(model, opt, lambda x, y: model.loss(x, y), cfg, data, steps, bf16)
+        # bf16: the attention kernel qkgeom's own job takes here (timed once, cached), so that the bare
+        # step and the job run the same kernels
+        path = cpu_bf16_attention(model, model.loss, cfg, data)["path"] if bf16 else None
+        with attention_path(path):
+            return _loop(model, opt, lambda x, y: model.loss(x, y), cfg, data, steps, bf16)
     if nanogpt:
         GPT, GPTConfig = nanogpt
         conf = GPTConfig(

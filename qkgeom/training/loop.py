@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -236,6 +237,26 @@ def check_resumable(rd: RunDir, t: C.TrainConfig, schedule: set[int], start: int
             )
 
 
+def cpu_bf16_attention(
+    model: torch.nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], cfg: C.RunConfig,
+    train_data: np.ndarray,
+) -> dict:  # fmt: skip
+    """The attention kernel for bf16 training of `model` on this CPU (training/precision.py), timed on
+    the run's first real batch and cached per machine and shape; warns where bf16 is emulated."""
+    t, m = cfg.train, cfg.model
+    x, y = gather(train_data, batch_offsets(len(train_data), m.n_ctx, t.batch_size, t.data_seed, 0), m.n_ctx)
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    shape = f"batch {t.batch_size}x{m.n_ctx}, {m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads"
+    choice = choose_cpu_attention(model, lambda: loss(x, y), shape, cache_dir())
+    if not choice.get("native_bf16", True):
+        warnings.warn(
+            "train.precision = bf16 on a CPU without bf16 arithmetic (no amx_bf16 / avx512_bf16): it is "
+            "emulated here and slower than float32 (train.precision = float32 is faster on this machine)",
+            stacklevel=3,
+        )
+    return choice
+
+
 class _Run:
     """The state of one training run and its steps: set-up (fresh or restored from last.pt),
     probe, evaluate, checkpoint, one optimiser step, finish."""
@@ -263,7 +284,11 @@ class _Run:
         self.opt = make_optimizer(self.model, t)
         # bf16 on a CPU: the faster attention kernel here, timed once on this model and batch (before any
         # hook that would see the timing's forwards), cached per machine and shape, recorded
-        self.attention = self._cpu_bf16_attention() if self.bf16 and self.device == "cpu" else None
+        self.attention = (
+            cpu_bf16_attention(self.model, self.forward_loss, cfg, self.train_data)
+            if self.bf16 and self.device == "cpu"
+            else None
+        )
         self.w_q, self.w_k = gpt_weights(self.model)  # (H, D, E) views: in-place updates keep them valid
         self.control = I.SpectrumControl.create(
             cfg.intervention, self.w_q, self.w_k, t.steps, baseline_spectra(cfg.intervention, rd)
@@ -294,22 +319,6 @@ class _Run:
             self._start_fresh(corpus, n_probe)
         self.t0 = time.perf_counter()
         self.startup_seconds = self.t0 - tic  # corpus, model, optimiser, probe batch (and a restore)
-
-    def _cpu_bf16_attention(self) -> dict:
-        t, m = self.cfg.train, self.cfg.model
-        x, y = gather(
-            self.train_data, batch_offsets(len(self.train_data), m.n_ctx, t.batch_size, t.data_seed, 0), m.n_ctx
-        )
-        x, y = torch.from_numpy(x), torch.from_numpy(y)
-        shape = f"batch {t.batch_size}x{m.n_ctx}, {m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads"
-        choice = choose_cpu_attention(self.model, lambda: self.forward_loss(x, y), shape, cache_dir())
-        if not choice.get("native_bf16", True):
-            warnings.warn(
-                "train.precision = bf16 on a CPU without bf16 arithmetic (no amx_bf16 / avx512_bf16): it is "
-                "emulated here and slower than float32 (train.precision = float32 is faster on this machine)",
-                stacklevel=2,
-            )
-        return choice
 
     def _restore(self) -> None:
         rd = self.rd
