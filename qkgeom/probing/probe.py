@@ -9,6 +9,7 @@ spectra come from :func:`weight_geometry`. Adding a metric = one line here + one
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -330,19 +331,24 @@ ALPHA_METRICS = {
 }
 
 
-def _alpha_rows(layer: int, name: str, head_sv: Tensor, layer_sv: Tensor | None, site: str) -> list[dict]:
-    """alpha per head from its singular values (H, E) (eigenvalues of W^T W = s^2), and of the layer's
-    whole matrix from layer_sv (its singular values), each with the fit's reason where it is NaN."""
-    rows = []
+def _alpha_rows(
+    layer: int, name: str, head_sv: Tensor, layer_sv: Tensor | None, site: str
+) -> list[tuple[dict, np.ndarray]]:
+    """alpha rows per head from its singular values (H, E) (eigenvalues of W^T W = s^2), and of the layer's
+    whole matrix from layer_sv (its singular values), each beside the spectrum to fit: the caller fits
+    them all in one batch (:func:`_fill_alphas`)."""
     metric = ALPHA_METRICS[name]
-    fits = [(h, G.power_law_alpha(sv**2)) for h, sv in enumerate(head_sv)]
+    spectra = [(h, ev) for h, ev in enumerate((head_sv**2).numpy())]
     if layer_sv is not None:
-        fits.append((-1, G.power_law_alpha(layer_sv**2)))
-    for h, fit in fits:
-        rows.append(
-            {"layer": layer, "head": h, "site": site, "metric": metric, "value": fit["alpha"], "note": fit["reason"]}
-        )
-    return rows
+        spectra.append((-1, (layer_sv**2).numpy()))
+    return [({"layer": layer, "head": h, "site": site, "metric": metric, "value": math.nan, "note": ""}, ev)
+            for h, ev in spectra]  # fmt: skip
+
+
+def _fill_alphas(pending: list[tuple[dict, np.ndarray]]) -> None:
+    """Each row's value the alpha of its spectrum, its note the fit's reason where alpha is NaN."""
+    for (row, _), fit in zip(pending, G.power_law_alphas([ev for _, ev in pending]), strict=True):
+        row["value"], row["note"] = fit["alpha"], fit["reason"]
 
 
 def weight_geometry(
@@ -363,6 +369,13 @@ def weight_geometry(
     where a fit is not possible (too few tail eigenvalues, an all-zero or rank-one matrix, NaN/Inf).
     """
     rows: list[dict] = []
+    alphas: list[tuple[dict, np.ndarray]] = []  # rows waiting for their alpha, fitted together at the end
+
+    def add_alphas(li: int, name: str, head_sv: Tensor, layer_sv: Tensor | None) -> None:
+        pending = _alpha_rows(li, name, head_sv, layer_sv, site)
+        rows.extend(row for row, _ in pending)
+        alphas.extend(pending)
+
     sq, sk, sqk = [], [], []
     given = {"W_Q": w_q, "W_K": w_k} | {n: ws for n, ws in (("W_V", w_v), ("W_O", w_o)) if ws is not None}
     per_layer = [dict(zip(given, ws, strict=True)) for ws in zip(*given.values(), strict=True)]
@@ -386,9 +399,9 @@ def weight_geometry(
             for h, v in enumerate(vals.tolist()):
                 rows.append({"layer": li, "head": h, "site": site, "metric": name, "value": float(v)} | extra)
             rows.append({"layer": li, "head": -1, "site": site, "metric": name, "value": float(vals.mean())} | extra)
-        rows += _alpha_rows(li, "W_Q", sv_q, svs[li]["W_Q"][1], site)
-        rows += _alpha_rows(li, "W_K", sv_k, svs[li]["W_K"][1], site)
-        rows += _alpha_rows(li, "W_QK", sv_qk, None, site)
+        add_alphas(li, "W_Q", sv_q, svs[li]["W_Q"][1])
+        add_alphas(li, "W_K", sv_k, svs[li]["W_K"][1])
+        add_alphas(li, "W_QK", sv_qk, None)
         for name in ("W_V", "W_O"):
             if name in svs[li]:  # the same spectral rows as W_Q, W_K: PR and alpha
                 sv, whole = svs[li][name]
@@ -398,10 +411,11 @@ def weight_geometry(
                 rows += [{"layer": li, "head": h, "site": site, "metric": metric, "value": float(v)} | note
                          for h, v in enumerate(pr.tolist())]  # fmt: skip
                 rows.append({"layer": li, "head": -1, "site": site, "metric": metric, "value": float(pr.mean())} | note)
-                rows += _alpha_rows(li, name, sv, whole, site)
+                add_alphas(li, name, sv, whole)
         sq.append(sv_q.numpy())
         sk.append(sv_k.numpy())
         sqk.append(sv_qk.numpy())
+    _fill_alphas(alphas)
     spectra = {
         "W_Q_singular_values": np.stack(sq),
         "W_K_singular_values": np.stack(sk),
