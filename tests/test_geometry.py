@@ -380,3 +380,19 @@ def test_gram_singular_values_equal_the_svd_in_both_orientations_and_nan_on_bad_
     bad[0, 0] = math.nan
     with pytest.warns(G.NumericalWarning):
         assert torch.isnan(G.gram_singular_values(bad)).all()
+
+
+def test_block_eigenvalues_are_each_blocks_covariance_spectrum_and_renewed_by_update():
+    """Block h of a layer accumulator's spectrum is the covariance spectrum of that head's columns alone
+    (numpy, float64); after more rows the cached values are replaced, never served stale."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(300, 12)) * np.linspace(0.5, 3.0, 12)
+    acc = G.CovarianceAccumulator()
+    acc.update(torch.from_numpy(x[:200]))
+    first = acc.block_eigenvalues(3)
+    assert acc.block_eigenvalues(3) is first  # solved once, then cached
+    acc.update(torch.from_numpy(x[200:]))
+    for h in range(3):
+        ref = np.sort(np.linalg.eigvalsh(np.cov(x[:, 4 * h : 4 * h + 4].T, bias=True)))[::-1]
+        np.testing.assert_allclose(acc.block_eigenvalues(3)[h].numpy(), ref, rtol=1e-10)
+    assert not torch.equal(acc.block_eigenvalues(3), first)

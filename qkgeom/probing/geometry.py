@@ -205,9 +205,10 @@ class CovarianceAccumulator:
         self.mean: Tensor | None = None
         self.m2: Tensor | None = None  # sum of centered outer products, (..., d, d)
         self._eig: Tensor | None = None  # cached eigenvalues, cleared by update
+        self._block_eig: dict[int, Tensor] = {}  # cached block eigenvalues per block count, cleared by update
 
     def update(self, x: Tensor) -> None:
-        self._eig = None
+        self._eig, self._block_eig = None, {}
         x = x.detach()
         nb = x.shape[-2]
         if nb == 0:
@@ -259,16 +260,16 @@ class CovarianceAccumulator:
         return torch.stack([cov[h * e : (h + 1) * e, h * e : (h + 1) * e] for h in range(n_blocks)])
 
     def block_eigenvalues(self, n_blocks: int) -> Tensor:
-        """Eigenvalues of the n_blocks equal diagonal blocks of the covariance, (n_blocks, d / n_blocks).
+        """Eigenvalues of the n_blocks equal diagonal blocks of the covariance, (n_blocks, d / n_blocks),
+        descending; cached until the next update.
 
         The covariance of a concatenation [x_1 | ... | x_H] restricted to block h is exactly the
         covariance of x_h, so per-head spectra come from the layer's accumulator at no extra pass.
         """
-        return (
-            robust_eigvalsh(self.block_covariances(n_blocks), what="per-head covariance eigenvalues")
-            .flip(-1)
-            .clamp_min(0)
-        )
+        if n_blocks not in self._block_eig:
+            ev = robust_eigvalsh(self.block_covariances(n_blocks), what="per-head covariance eigenvalues")
+            self._block_eig[n_blocks] = ev.flip(-1).clamp_min(0)
+        return self._block_eig[n_blocks]
 
 
 def causal_support(n_ctx: int) -> Tensor:
