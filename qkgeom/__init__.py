@@ -32,23 +32,39 @@ def load_runs(path: str | Path) -> pd.DataFrame:
 
 
 def measure(
-    q, k, pattern=None, causal: bool = True, w_q=None, w_k=None, pr_convention: str = "variance"
+    q,
+    k,
+    pattern=None,
+    causal: bool = True,
+    w_q=None,
+    w_k=None,
+    pr_convention: str = "variance",
+    alpha_convention: str = "weightwatcher",
 ) -> pd.DataFrame:
     """Geometry rows from your own q, k (and pattern), from any model (see qkgeom.probing.probe.measure);
-    pr_convention: `variance` (default) or `singular` participation ratios."""
+    pr_convention: `variance` (default) or `singular` participation ratios; alpha_convention:
+    `weightwatcher` (default: WeightWatcher 0.7.7's fit) or `clauset` heavy-tail alphas."""
     from qkgeom.probing.probe import measure as _measure
 
-    return _measure(q, k, pattern, causal, w_q, w_k, pr_convention)
+    return _measure(q, k, pattern, causal, w_q, w_k, pr_convention, alpha_convention)
 
 
-def analyse(model, batches, logit_max_seqs: int | None = 4, pr_convention: str = "variance") -> pd.DataFrame:
+def analyse(
+    model,
+    batches,
+    logit_max_seqs: int | None = 4,
+    pr_convention: str = "variance",
+    alpha_convention: str = "weightwatcher",
+) -> pd.DataFrame:
     """Geometry rows of a supported Hugging Face model already in memory (see the README's table),
     streamed over `batches` of input ids (B, T): layer, head, site, metric, value. The model's own
     attention is used (captured through transformers' attention interface); nothing is written.
     For other models, read q, k with hooks and call `measure`."""
     import pandas as pd
 
+    from qkgeom.config import Conventions
     from qkgeom.probing.hf import analyse_model
 
-    rows, _ = analyse_model(model, iter(batches), logit_max_seqs=logit_max_seqs, pr_convention=pr_convention)
+    conventions = Conventions(pr_convention, alpha_convention)
+    rows, _ = analyse_model(model, iter(batches), logit_max_seqs=logit_max_seqs, conventions=conventions)
     return pd.DataFrame(rows)

@@ -110,6 +110,9 @@ def _sweep(args: argparse.Namespace):
         if records:
             print(_records_eta(runs, recorded, records))
         return spec, out, None
+    if records is not None:  # an accumulating study: first settle what earlier sittings left
+        _settle_records(spec, out, records)
+        recorded = _recorded(records)
     res = run_sweep(
         spec,
         out,
@@ -144,6 +147,24 @@ def _recorded(records: Path | None) -> set[str]:
     from qkgeom.analysis.records import recorded_runs
 
     return recorded_runs(records)
+
+
+def _settle_records(spec, out: Path, records: Path) -> None:
+    """Before an accumulating study trains: its manifest in the records folder (the [analysis] every
+    record is stamped with), a killed record write's temp folder removed, the records checked against
+    the pre-registration, and a record written for every run that finished without one."""
+    from qkgeom.analysis.prereg import check_records
+    from qkgeom.analysis.records import clean_temp, record_missing
+    from qkgeom.training.sweep import expand, write_manifest
+
+    runs = expand(spec)
+    records.mkdir(parents=True, exist_ok=True)
+    write_manifest(spec, runs, records)
+    for d in clean_temp(records):
+        print(f"removed {d} (a record write that was killed)", file=sys.stderr)
+    check_records(records)
+    for d in record_missing(out, records, [r.run_id for r in runs]):
+        print(f"recorded {d.name} (finished earlier without its record)", file=sys.stderr)
 
 
 def _record_writer(out: Path, records: Path | None):
@@ -244,6 +265,14 @@ def cmd_verdicts(args: argparse.Namespace) -> int:
     text = verdicts_index(args.dir)
     atomic_write_bytes(Path(args.dir) / "VERDICTS.md", text.encode())
     print(text)
+    return 0
+
+
+def cmd_amend(args: argparse.Namespace) -> int:
+    from qkgeom.analysis.prereg import register_version
+
+    entry = register_version(args.dir, args.note)
+    print(f"{args.dir}: pre-registration version {entry['version']} registered ({entry['note']})")
     return 0
 
 
@@ -406,6 +435,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dir", nargs="?", default="docs/results", help="the committed results (default docs/results)")
     p.set_defaults(fn=cmd_verdicts)
+
+    p = sub.add_parser(
+        "amend",
+        help="register a changed pre-registration of a study with records as a new version",
+        description="Every record carries the digest of the pre-registration (study file, preregistration.toml, "
+        "[analysis]) it was judged under, and analyze, study and verdicts refuse a folder whose pre-registration "
+        "changed since. An amendment made on purpose is registered here: DIR/preregistration_versions.json keeps "
+        "the old and the new digest with your note, and VERDICTS.md lists both versions.",
+    )
+    p.add_argument("dir", help="a committed study folder with records (docs/results/<study>)")
+    p.add_argument("--note", required=True, help="what changed and why (kept with the new version)")
+    p.set_defaults(fn=cmd_amend)
 
     p = sub.add_parser(
         "study",

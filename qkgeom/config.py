@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from qkgeom.errors import QKGeomError
+from qkgeom.errors import QKGeomError, read_text
 
 # The checkout this package runs from (an editable install): the one place that derives it from
 # __file__, so that moving a module never moves what it points at. configs/ lies in it, and the
@@ -27,6 +27,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 QK_INITS = ("independent", "orthogonal", "tied", "anti_tied")
 PR_CONVENTIONS = ("variance", "singular")  # = probing.geometry.PR_CONVENTIONS (config may not import it)
+ALPHA_CONVENTIONS = ("weightwatcher", "clauset")  # heavy-tail alpha fits (probing.geometry.power_law_alpha)
 INTERVENTIONS = ("none", "hold", "contract", "expand", "shape", "temperature")
 # kinds whose target is ratio x the same seed's none run (always two-sided; they need its finished probes)
 BASELINE_KINDS = ("shape", "temperature")
@@ -45,6 +46,26 @@ TOKENIZERS = ("char", "byte")
 
 class ConfigError(QKGeomError, ValueError):
     """A configuration that cannot be used; the message names the offending key/value."""
+
+
+@dataclass(frozen=True)
+class Conventions:
+    """The conventions the spectral summaries are computed under: one value, built and checked here,
+    passed from a config (or an API call) down to every metric; each row's `note` names the one that
+    made it (docs/GLOSSARY.md, 'Conventions')."""
+
+    pr: str = "variance"
+    """Participation ratio of `variance`s ((sum l)^2 / sum l^2) or of `singular` values."""
+    alpha: str = "weightwatcher"
+    """Heavy-tail alpha as WeightWatcher 0.7.7 fits it, or `clauset` (powerlaw's fit without xmax)."""
+
+    def __post_init__(self) -> None:
+        for name, value, allowed in (("pr", self.pr, PR_CONVENTIONS), ("alpha", self.alpha, ALPHA_CONVENTIONS)):
+            if value not in allowed:
+                raise ConfigError(f"{name}_convention must be one of {allowed}, got {value!r}")
+
+
+DEFAULT_CONVENTIONS = Conventions()
 
 
 @dataclass(frozen=True)
@@ -146,6 +167,14 @@ class ProbeConfig:
     """Participation ratio of `variance`s (covariance eigenvalues, (sum l)^2 / sum l^2: qkgeom's) or of
     `singular` values ((sum s)^2 / sum s^2, as public Pythia weight datasets compute it); every PR row
     names its convention in the `note` column (docs/GLOSSARY.md relates the two)."""
+    alpha_convention: str = "weightwatcher"
+    """Heavy-tail alpha fit: `weightwatcher` (WeightWatcher 0.7.7's own, what papers report) or `clauset`
+    (the powerlaw package's fit without xmax, tail >= 10 eigenvalues); every alpha row's note names it."""
+
+    @property
+    def conventions(self) -> Conventions:
+        """The spectral conventions of this probe, as one checked value."""
+        return Conventions(self.pr_convention, self.alpha_convention)
 
 
 @dataclass(frozen=True)
@@ -310,7 +339,7 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
     if path is not None:
         p = resolve_preset(path)
         try:
-            data = tomllib.loads(p.read_text())
+            data = tomllib.loads(read_text(p, ConfigError))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
     return from_dict(apply_overrides(data, overrides or []))
@@ -423,6 +452,10 @@ def validate(cfg: RunConfig) -> None:
     need(0 <= t.min_lr_ratio <= 1, f"train.min_lr_ratio must be in [0, 1], got {t.min_lr_ratio}")
     need(0 <= t.warmup_steps <= t.steps, f"train.warmup_steps must be in [0, steps], got {t.warmup_steps}")
     need(t.weight_decay >= 0, f"train.weight_decay must be >= 0, got {t.weight_decay}")
+    for k in ("beta1", "beta2"):  # NaN fails the comparison too
+        need(0 <= getattr(t, k) < 1, f"train.{k} must be in [0, 1) (an AdamW moment decay), got {getattr(t, k)}")
+    for k in ("seed", "data_seed"):  # numpy's generators take seeds in [0, 2**32)
+        need(0 <= getattr(t, k) < 2**32, f"train.{k} must be in [0, 2**32), got {getattr(t, k)}")
     need(t.grad_clip >= 0, f"train.grad_clip must be >= 0, got {t.grad_clip}")
     need(
         t.precision in ("auto", "float32", "bf16"),
@@ -440,10 +473,10 @@ def validate(cfg: RunConfig) -> None:
     need(p.n_seqs >= 0, f"probe.n_seqs must be >= 0 (0 = automatic), got {p.n_seqs}")
     need(p.min_tokens_per_dim > 0, f"probe.min_tokens_per_dim must be positive, got {p.min_tokens_per_dim}")
     need(p.logit_max_seqs >= 0, f"probe.logit_max_seqs must be >= 0 (0 = all), got {p.logit_max_seqs}")
-    need(
-        p.pr_convention in PR_CONVENTIONS,
-        f"probe.pr_convention must be one of {PR_CONVENTIONS}, got {p.pr_convention!r}",
-    )
+    try:
+        p.conventions  # noqa: B018 - builds and checks the conventions (one door)
+    except ConfigError as e:
+        raise ConfigError(f"probe.{e}") from None
     if iv.kind == "shrink":
         raise ConfigError(f"intervention.kind 'shrink' was replaced by {REPLACED['intervention.shrink']}")
     need(iv.kind in INTERVENTIONS, f"intervention.kind must be one of {INTERVENTIONS}, got {iv.kind!r}")

@@ -6,3 +6,12 @@ for user errors too."""
 
 class QKGeomError(Exception):
     """Bad input or a refused operation (one line, exit 2); the message names the problem."""
+
+
+def read_text(path, error: type[QKGeomError] = QKGeomError) -> str:
+    """The UTF-8 text of a file the user gave (a config, a sweep, a text sample, a vocabulary); a file
+    in another encoding is bad input (`error`, one line naming the file and the byte), not a bug."""
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise error(f"{path} is not UTF-8 text ({e.reason} at byte {e.start}); save it as UTF-8") from None

@@ -162,6 +162,17 @@ def read_json(path: Path) -> Any:
         raise DamagedRunError(f"{path} is not valid JSON ({e}); fix or delete it") from None
 
 
+def _read_parquet(path: Path) -> pd.DataFrame:
+    """A parquet file qkgeom wrote; a truncated or garbled one is damage (DamagedRunError names it)."""
+    import pyarrow as pa
+
+    try:
+        return pd.read_parquet(path)
+    except (pa.ArrowException, OSError) as e:
+        why = str(e).splitlines()[0]
+        raise DamagedRunError(f"{path} is damaged ({why}); delete its folder and measure it again") from None
+
+
 def is_pretrained_output(path: str | Path) -> bool:
     """A `qkgeom pretrained` output folder: one sub-folder per revision, each config.json naming its
     model and revision (our training runs' config.json have neither)."""
@@ -309,12 +320,10 @@ class RunDir:
     def read_geometry(self) -> pd.DataFrame:
         """The run's geometry rows: geometry.parquet once the run is finished, else the probes'
         part files (a run being trained appends one part per probe: linear, not quadratic, I/O)."""
-        if self.geometry.exists():
-            return pd.read_parquet(self.geometry)
-        parts = self._parts(self.geometry_parts, ".parquet")
-        if not parts:
+        files = [self.geometry] if self.geometry.exists() else self._parts(self.geometry_parts, ".parquet")
+        if not files:
             return pd.DataFrame(columns=GEOMETRY_COLUMNS)
-        return pd.concat([pd.read_parquet(f) for f in parts], ignore_index=True)
+        return pd.concat([_read_parquet(f) for f in files], ignore_index=True)
 
     # one part per probe while a run trains, consolidated when it finishes --------------------
     geometry_parts = property(lambda self: self.path / "geometry.parts")

@@ -259,6 +259,43 @@ def test_export_is_whole_per_revision_resumable_and_one_run_per_folder(exported,
         export_run(other.path, tmp_path / "hf")
 
 
+def test_a_torn_export_is_never_read_as_a_revision(exported, tmp_path):
+    """A killed export (SIGKILL: no except clause runs) leaves a hidden .step_N.*.tmp folder holding a
+    config.json, and a revision without its completion marker; --all-revisions read both as revisions,
+    even after a successful re-export. Now only marked revisions count and a re-export cleans the temp."""
+    import shutil
+
+    _, rd, hf_root, _ = exported
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_root, hf)
+    torn = hf / ".step_6.x1y2.tmp"
+    shutil.copytree(hf / "step_6", torn)
+    (torn / "qkgeom_export.json").unlink()  # killed before its marker
+    shutil.copytree(hf / "step_6", hf / "step_9")
+    (hf / "step_9" / "qkgeom_export.json").unlink()  # a revision folder without the marker
+    assert sorted(F.local_revisions(hf)) == ["step_0", "step_12", "step_6"]
+    export_run(rd.path, hf)
+    assert not torn.exists() and sorted(F.local_revisions(hf)) == ["step_0", "step_12", "step_6"]
+    assert F.family_revisions(load_pretrained(None, [f"model={json.dumps(str(hf))}", "all_revisions=true"])) == [
+        "step_0", "step_6", "step_12"
+    ]  # fmt: skip
+
+
+def test_report_says_which_revisions_it_left_out(tmp_path):
+    from qkgeom.results import RunDir
+
+    fam = tmp_path / "fam"
+    for name in ("step_1", "step_2", ".step_3.tmp"):
+        RunDir(fam / name).path.mkdir(parents=True)
+        (fam / name / "config.json").write_text("{}")
+    (fam / "step_1" / "done.json").write_text("{}")
+    (fam / "report").mkdir()
+    assert F.left_out_revisions(fam) == [
+        ".step_3.tmp (a temp folder of a killed write)",
+        "step_2 (unfinished: no done.json)",
+    ]
+
+
 def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
     """Measured as if right before: n_layer 3 against 2-layer weights reported a layer that does not
     exist, and a missing tensor was measured at its random initialisation."""
@@ -279,6 +316,16 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
     save_file(weights, tmp_path / "g" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(P.PretrainedError, match=r"1 missing \(transformer.h.1.attn.c_attn.weight\)"):
         P.load_model(str(tmp_path / "g"))
+    # a missing Q/K/V bias was loaded as zeros: `attn.bias` (the old mask buffer) also matched `c_attn.bias`
+    weights = load_file(tmp_path / "g" / "model.safetensors")
+    weights["transformer.h.1.attn.c_attn.weight"] = torch.zeros(32, 96)
+    del weights["transformer.h.0.attn.c_attn.bias"]
+    save_file(weights, tmp_path / "g" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(P.PretrainedError, match=r"1 missing \(transformer.h.0.attn.c_attn.bias\)"):
+        P.load_model(str(tmp_path / "g"))
+    # the mask buffer itself stays harmless, missing or unexpected
+    assert P._HARMLESS.search("transformer.h.0.attn.bias") and P._HARMLESS.search("h.3.attn.masked_bias")
+    assert not P._HARMLESS.search("transformer.h.0.attn.c_attn.bias")
 
 
 def test_bad_pretrained_folders_are_one_line_errors(exported, tmp_path, capsys):

@@ -470,7 +470,57 @@ ZOO = [
     (["pretrained", "{badcfg}"], "cannot load"),
     (["export", "{garbled}", "--out", "{tmp}/hf"], "config.json is not valid JSON"),
     (["pretrained", "{empty}", "--set", "pretrained.n_tokens=abc"], "'pretrained.n_tokens' expects an integer"),
+    # issue 49: these too printed a traceback (exit 1)
+    (["train", "{latin1}/cfg.toml"], "cfg.toml is not UTF-8 text"),
+    (["sweep", "{latin1}/cfg.toml", "--dry-run"], "cfg.toml is not UTF-8 text"),
+    (["pretrained", "gpt2", "--config", "{latin1}/cfg.toml"], "cfg.toml is not UTF-8 text"),
+    (["pretrained", "{gpt2}", "--text", "{latin1}/train.txt"], "train.txt is not UTF-8 text"),
+    (["train", "tiny", "--set", "train.beta2=1.0"], "train.beta2 must be in [0, 1)"),
+    (["train", "tiny", "--set", "train.beta1=nan"], "train.beta1 must be in [0, 1)"),
+    (["train", "tiny", "--set", "train.seed=-3"], "train.seed must be in [0, 2**32)"),
+    (["train", "tiny", "--set", "train.data_seed=4294967296"], "train.data_seed must be in [0, 2**32)"),
+    (["verdicts", "{results}"], "claims.csv is damaged (its last row is cut off)"),
+    (["report", "{family}"], "geometry.parquet is damaged"),
+    (["pretrained", "{pickled}", "--text", "{text}"], "a pickle holding more than tensors"),
+    (["pretrained", "{reshaped}", "--text", "{text}"], "1 of another shape (transformer.h.0.attn.c_attn.weight)"),
 ]
+
+
+def _bad_models(tmp_path: Path) -> dict[str, str]:
+    """GPT-2 folders whose weights torch or the config refuse (a pickle with an object in it; a reshaped
+    tensor), a family whose revision's geometry.parquet is torn, and a study with a torn claims.csv."""
+    import datetime
+
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from tests.conftest import REPO
+
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=50, n_positions=32)).save_pretrained(gpt2)
+    weights = load_file(gpt2 / "model.safetensors")
+    pickled, reshaped = tmp_path / "pickled", tmp_path / "reshaped"
+    for d in (pickled, reshaped):
+        d.mkdir()
+        shutil.copy(gpt2 / "config.json", d / "config.json")
+    torch.save({**weights, "saved": datetime.datetime(2026, 1, 1)}, pickled / "pytorch_model.bin")
+    w = weights["transformer.h.0.attn.c_attn.weight"]
+    save_file({**weights, "transformer.h.0.attn.c_attn.weight": w.reshape(w.shape[1], w.shape[0]).contiguous()},
+              reshaped / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    family = tmp_path / "family" / "step_1"
+    family.mkdir(parents=True)
+    (family / "config.json").write_text('{"model": "m", "revision": "step_1"}')
+    (family / "done.json").write_text("{}")
+    (family / "geometry.parquet").write_bytes(b"PAR1\x00\x01")
+    study = tmp_path / "results" / "study-keys-cpu"
+    study.mkdir(parents=True)
+    claims = (REPO / "docs" / "results" / "study-keys-cpu" / "claims.csv").read_bytes()
+    (study / "claims.csv").write_bytes(claims[: len(claims) // 2])
+    text = tmp_path / "text.txt"
+    text.write_text("plain text " * 500)
+    return dict(gpt2=str(gpt2), pickled=str(pickled), reshaped=str(reshaped), family=str(tmp_path / "family"),
+                results=str(tmp_path / "results"), text=str(text))  # fmt: skip
 
 
 @pytest.mark.parametrize("args, message", ZOO, ids=[m for _, m in ZOO])
@@ -481,6 +531,7 @@ def test_bad_input_zoo(reference, tmp_path, args, message):
     latin1.mkdir()
     for split in ("train", "valid", "test"):
         (latin1 / f"{split}.txt").write_bytes("caf\u00e9 na\u00efve ".encode("latin-1") * 200)
+    (latin1 / "cfg.toml").write_bytes("# caf\u00e9\n[train]\nsteps = 3\n".encode("latin-1"))
     badcfg, garbled = tmp_path / "badcfg", tmp_path / "garbled"  # a config.json transformers rejects; a torn one
     badcfg.mkdir()
     (badcfg / "config.json").write_text('{"model_type": "gpt2", "n_layer": "x"}')
@@ -488,6 +539,8 @@ def test_bad_input_zoo(reference, tmp_path, args, message):
     (garbled / "config.json").write_text('{"config": {')
     fill = dict(done=str(done), empty=str(tmp_path / "empty"), tmp=str(tmp_path), latin1=str(latin1))
     fill |= dict(badcfg=str(badcfg), garbled=str(garbled))
+    if any("{" + k + "}" in a for a in args for k in ("gpt2", "pickled", "reshaped", "family", "results")):
+        fill |= _bad_models(tmp_path)
     args = [a.format(**fill) for a in args]
     if args[0] == "train" and "--out" not in args:
         args += ["--out", str(tmp_path / "new")]

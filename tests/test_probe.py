@@ -188,7 +188,8 @@ def test_logit_scale_and_row_std_rows_match_direct_computations():
 def test_alpha_rows_per_head_and_layer_with_reasons_for_bad_heads():
     """alpha of every head's W_Q, W_K, W_Q W_K^T, W_V, W_O (and each layer's whole matrix at head -1)
     is power_law_alpha of the squared singular values; an all-zero, a rank-one and a non-finite head
-    give NaN with their reason, never a crash; too few tail eigenvalues give NaN with that reason."""
+    give NaN with their reason, never a crash; too few tail eigenvalues give NaN with that reason; every
+    alpha row's note names its convention."""
     import warnings
 
     from qkgeom.probing import geometry as G
@@ -214,14 +215,17 @@ def test_alpha_rows_per_head_and_layer_with_reasons_for_bad_heads():
     assert r[(-1, "query_weight_alpha")][0] == pytest.approx(
         G.power_law_alpha(torch.linalg.svdvals(whole) ** 2)["alpha"]
     )
-    assert math.isnan(r[(1, "key_weight_alpha")][0]) and r[(1, "key_weight_alpha")][1] == "all-zero matrix"
-    assert math.isnan(r[(2, "key_weight_alpha")][0]) and r[(2, "key_weight_alpha")][1] == "rank one"
-    assert math.isnan(r[(3, "value_weight_alpha")][0]) and r[(3, "value_weight_alpha")][1] == "non-finite values"
-    assert math.isfinite(r[(0, "key_weight_alpha")][0]) and r[(0, "key_weight_alpha")][1] == ""
-    # an 8-dim head has too few eigenvalues for a tail of 10
-    small, _ = weight_geometry([w_q[:, :, :8]], [w_k[:, :, :8]])
+    ww = "alpha=weightwatcher"
+    assert math.isnan(r[(1, "key_weight_alpha")][0]) and r[(1, "key_weight_alpha")][1] == f"{ww}; all-zero matrix"
+    assert math.isnan(r[(2, "key_weight_alpha")][0]) and r[(2, "key_weight_alpha")][1] == f"{ww}; rank one"
+    assert math.isnan(r[(3, "value_weight_alpha")][0]) and r[(3, "value_weight_alpha")][1] == f"{ww}; non-finite values"
+    assert math.isfinite(r[(0, "key_weight_alpha")][0]) and r[(0, "key_weight_alpha")][1] == ww
+    # an 8-dim head has too few eigenvalues for a tail of 10 under `clauset`
+    from qkgeom.config import Conventions
+
+    small, _ = weight_geometry([w_q[:, :, :8]], [w_k[:, :, :8]], conventions=Conventions(alpha="clauset"))
     alpha = [x for x in small if x["metric"] == "query_weight_alpha" and x["head"] == 0][0]
-    assert math.isnan(alpha["value"]) and alpha["note"].startswith("fewer than 10 eigenvalues")
+    assert math.isnan(alpha["value"]) and alpha["note"].startswith("alpha=clauset; fewer than 10 eigenvalues")
 
 
 @pytest.mark.usefixtures("wikitext")
@@ -232,9 +236,14 @@ def test_a_runs_geometry_table_carries_alpha_with_its_note(tmp_path):
     g = train(tiny_config(train={"steps": 10}), tmp_path / "r", progress=False).read_geometry()
     assert list(g.columns)[-1] == "note" and str(g["note"].dtype) == "string"
     a = g[g.metric == "value_weight_alpha"]
+    # E = 8: WeightWatcher's small-sample fit (its min_evals is 8); the whole 32 x 32 matrix: its standard fit
+    assert a["value"].notna().all() and (a["note"] == "alpha=weightwatcher").all()
+    cfg = tiny_config(train={"steps": 10}, probe={"alpha_convention": "clauset"})
+    g = train(cfg, tmp_path / "c", progress=False).read_geometry()
+    a = g[g.metric == "value_weight_alpha"]
     per_head, layer = a[a["head"] >= 0], a[a["head"] == -1]
-    assert per_head["value"].isna().all() and per_head["note"].str.startswith("fewer than 10").all()  # E = 8
-    assert layer["value"].notna().all() and layer["note"].isna().all()  # the whole 32 x 32 matrix fits
+    assert per_head["value"].isna().all() and per_head["note"].str.startswith("alpha=clauset; fewer than 10").all()
+    assert layer["value"].notna().all() and (layer["note"] == "alpha=clauset").all()
     assert (g[g.metric == "key_participation_ratio"]["note"] == "pr=variance").all()
 
 
@@ -258,10 +267,15 @@ def test_pr_convention_on_an_analytic_case_and_recorded_in_every_pr_row():
         prs = df[df.metric.str.contains("participation_ratio") | (df.metric == "interaction_rank")]
         assert prs["note"].str.startswith("pr=").all()  # every PR row names its convention
         assert df[df.metric == "key_effective_rank"]["note"].isna().all()
-    with pytest.raises(ValueError, match="PR convention 'eigen'"):
+    with pytest.raises(ValueError, match="pr_convention must be one of .* got 'eigen'"):
         measure(q, k, pr_convention="eigen")
     with pytest.raises(C.ConfigError, match="probe.pr_convention must be one of"):
         C.load("tiny", ["probe.pr_convention='eigen'"])
+    # one door: the alpha convention is checked by the same value (config.Conventions), wherever set
+    with pytest.raises(C.ConfigError, match="probe.alpha_convention must be one of .* got 'hill'"):
+        C.load("tiny", ["probe.alpha_convention='hill'"])
+    with pytest.raises(ValueError, match="alpha_convention must be one of"):
+        measure(q, k, alpha_convention="hill")
 
 
 @pytest.mark.usefixtures("wikitext")

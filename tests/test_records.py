@@ -9,6 +9,7 @@ import pytest
 
 from qkgeom.analysis.records import recorded_runs, write_record
 from qkgeom.cli import main
+from qkgeom.results import RunDir
 from tests.conftest import REPO, tiny_config
 
 RESULTS = REPO / "docs" / "results"
@@ -66,7 +67,7 @@ def test_the_verdicts_index_matches_the_committed_csvs():
 
 
 @pytest.mark.usefixtures("wikitext")
-def test_an_accumulating_study_records_each_run_and_skips_recorded_ones(tmp_path, capsys):
+def test_an_accumulating_study_records_each_run_and_skips_recorded_ones(tmp_path, capsys, monkeypatch):
     """`qkgeom study` on a ladder with [analysis] records: every finished run's record is written at
     once, the study is analysed from the records (interim while runs are missing), and a second
     sitting trains nothing that is recorded; --dry-run says recorded / to do."""
@@ -93,3 +94,95 @@ def test_an_accumulating_study_records_each_run_and_skips_recorded_ones(tmp_path
     assert main(["study", str(sweep), "--out", str(out), "--dry-run"]) == 0
     text = capsys.readouterr().out
     assert text.count("[recorded]") == 6 and "recorded 6 / 6; to do 0 runs" in text
+
+    # killed between a run's done.json and its record's write: the temp folder of the record write is
+    # left, the record is not; a rerun lost that run for good (verdicts from 2 of 3 seeds)
+    import qkgeom.analysis.records as R
+
+    lost = sorted((records / "runs").iterdir())[0]
+    shutil.move(lost, records / "runs" / f".{lost.name}.tmp")  # a record write cut short
+
+    def killed(run, dest):
+        raise KeyboardInterrupt  # the study dies after the run's done.json, before its record
+
+    monkeypatch.setattr(R, "write_record", killed)
+    assert main(args) == 130 and RunDir(out / lost.name).is_done()
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert main(args) == 0
+    text, err = capsys.readouterr()
+    assert "0 trained" in text
+    assert f"recorded {lost.name} (finished earlier without its record)" in err and "removed" in err
+    assert (lost / "done.json").is_file() and not list((records / "runs").glob(".*"))
+    assert len(recorded_runs(records)) == 6 and "skipping" not in err
+    claims = pd.read_csv(records / "claims.csv")
+    assert claims[claims["primary"] == "L1"].iloc[0]["n"] == 3
+
+
+def _ladder_copy(tmp_path) -> Path:
+    """The committed ladder-cpu records (and what `verdicts` reads) in a scratch study folder."""
+    committed = RESULTS / "ladder-cpu"
+    if not (committed / "runs").is_dir():
+        pytest.skip("no committed ladder-cpu records")
+    copy = tmp_path / "results" / "ladder-cpu"
+    shutil.copytree(committed / "runs", copy / "runs")
+    for name in ("sweep.json", "claims.csv"):
+        shutil.copy(committed / name, copy / name)
+    return copy
+
+
+def test_a_changed_preregistration_is_refused_unless_registered_as_a_new_version(tmp_path, capsys):
+    """Editing the [analysis] a study's records were judged under silently changed verdicts (one primary
+    went from not surviving Holm to surviving). Now analyze and verdicts refuse it in one line naming
+    the file, until `qkgeom amend` registers the change; VERDICTS.md then lists both versions."""
+    import json
+
+    copy = _ladder_copy(tmp_path)
+    sweep = json.loads((copy / "sweep.json").read_text())
+    sweep["analysis"]["margin"] = 0.2
+    (copy / "sweep.json").write_text(json.dumps(sweep))
+    for cmd in (["analyze", str(copy)], ["verdicts", str(copy.parent)]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "sweep.json [analysis]" in err and "changed after its records" in err, err
+    assert main(["amend", str(copy), "--note", "margin 0.2 (test)"]) == 0
+    assert main(["analyze", str(copy)]) == 0
+    capsys.readouterr()
+    assert main(["verdicts", str(copy.parent)]) == 0
+    text = (copy.parent / "VERDICTS.md").read_text()
+    assert "- ladder-cpu v1: as first registered" in text and "- ladder-cpu v2 (" in text and "margin 0.2" in text
+    assert main(["amend", str(copy), "--note", "again"]) == 2  # nothing changed since v2
+    sweep["analysis"]["margin"] = 0.3  # an unregistered change after the amendment is refused again
+    (copy / "sweep.json").write_text(json.dumps(sweep))
+    assert main(["analyze", str(copy)]) == 2
+
+
+def test_bent_records_are_refused_naming_both(tmp_path, capsys):
+    """A record copied over another's folder cut n from 4 to 3 without a word; a record that stopped
+    short of its steps was used; two records of one (arm, seed, budget) would be pooled."""
+    import json
+
+    from qkgeom import config as C
+
+    copy = _ladder_copy(tmp_path)
+    runs = sorted((copy / "runs").iterdir())
+    a, b = runs[0], runs[1]
+    shutil.rmtree(b)
+    shutil.copytree(a, b)
+    assert main(["analyze", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert f"record folder {b.name} holds the record of run {a.name}" in err and err.count("\n") == 1
+    shutil.rmtree(b)
+    done = json.loads((a / "done.json").read_text())
+    (a / "done.json").write_text(json.dumps({**done, "step": done["step"] // 2}))
+    assert main(["analyze", str(copy)]) == 2
+    assert f"record {a.name} finished at step {done['step'] // 2}" in capsys.readouterr().err
+    (a / "done.json").write_text(json.dumps(done))
+    info = json.loads((a / "config.json").read_text())
+    info["config"]["name"] = "renamed"  # another id, the same (arm, seed, budget)
+    twin = C.run_id(C.from_dict(info["config"]))
+    shutil.copytree(a, copy / "runs" / twin)
+    (copy / "runs" / twin / "config.json").write_text(json.dumps({**info, "run_id": twin}))
+    assert main(["analyze", str(copy)]) == 2
+    err = capsys.readouterr().err
+    assert "are the same (arm, seed, budget)" in err and a.name in err and twin in err

@@ -9,6 +9,9 @@ A record is a slim run folder under ``docs/results/<study>/runs/<run_id>/`` (res
     metrics.jsonl     every validation row; training rows thinned to at most RECORD_TRAIN_ROWS
     vocab.json, done.json
 
+``record.preregistration`` in config.json is the digest of the pre-registration the record was
+judged under (analysis.prereg): a later edit of it is refused unless registered as a new version.
+
 Spectra and checkpoints are dropped (they are what makes a run folder 10 MB). Because a record is a
 run folder, every reader (load_runs, analyze, report) reads it unchanged: ``qkgeom analyze
 docs/results/<study>`` finds the records under runs/ and rewrites claims.csv and verdicts.csv
@@ -24,6 +27,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from qkgeom.analysis.prereg import digest, record_folders
 from qkgeom.results import RECORDS_DIR, RunDir, atomic_write_bytes, read_json, write_json
 from qkgeom.training.data import file_digest, resolve_source
 
@@ -53,7 +57,8 @@ def corpus_digest(config: dict) -> str | None:
 
 
 def write_record(run: str | Path, dest: str | Path) -> Path:
-    """The record of a finished run under `dest`/<run_id>/ (replaced whole if present). Returns it."""
+    """The record of a finished run under `dest`/<run_id>/ (replaced whole if present), stamped with
+    the digest of the pre-registration of the study folder `dest` lies in. Returns it."""
     rd = RunDir(run)
     if not rd.is_done():
         raise FileNotFoundError(f"{rd.path} is not a finished run (no done.json): no record written")
@@ -68,6 +73,7 @@ def write_record(run: str | Path, dest: str | Path) -> Path:
         "data_sha256": corpus_digest(info.get("config", {})),
         "metrics_rows": {"kept": len(kept), "of": len(rows), "train_rows_at_most": RECORD_TRAIN_ROWS},
         "dropped": ["spectra.npz", "checkpoints/"],
+        "preregistration": digest(Path(dest).parent),
     }
     write_json(tmp.config, info)
     buf = io.BytesIO()
@@ -83,28 +89,33 @@ def write_record(run: str | Path, dest: str | Path) -> Path:
     return out.path
 
 
-def record_study(runs: str | Path, results: str | Path) -> list[Path]:
-    """A record under `results`/runs/ for every finished run under `runs` not recorded yet."""
+def clean_temp(results: str | Path) -> list[Path]:
+    """Remove the hidden temp folders a killed write_record left under `results`/runs/. Returns them."""
     dest = Path(results) / RECORDS_DIR
-    written = []
-    for d in sorted(Path(runs).iterdir()):
-        if d.is_dir() and RunDir(d).is_done() and not (dest / d.name / "done.json").is_file():
-            written.append(write_record(d, dest))
-    return written
+    stale = sorted(d for d in dest.glob(".*.tmp") if d.is_dir()) if dest.is_dir() else []
+    for d in stale:
+        shutil.rmtree(d)
+    return stale
+
+
+def record_missing(runs: str | Path, results: str | Path, run_ids: list[str]) -> list[Path]:
+    """A record under `results`/runs/ for every finished run of `run_ids` under `runs` that has none
+    (a study killed between a run's done.json and its record's write). Returns the records written."""
+    dest = Path(results) / RECORDS_DIR
+    have = recorded_runs(results)
+    return [write_record(Path(runs) / r, dest) for r in run_ids if r not in have and RunDir(Path(runs) / r).is_done()]
 
 
 def recorded_runs(results: str | Path) -> set[str]:
     """The run ids whose records are in `results`/runs/ (a study skips them)."""
-    dest = Path(results) / RECORDS_DIR
-    return {d.name for d in dest.iterdir() if (d / "done.json").is_file()} if dest.is_dir() else set()
+    return {d.name for d in record_folders(results) if (d / "done.json").is_file()}
 
 
 def measured_seconds(results: str | Path) -> dict[tuple[int, int], float]:
     """Seconds per training step measured in the recorded runs (done.json elapsed / steps), by
     (n_layers, tokens per step): what `qkgeom study --dry-run` estimates the rest from."""
-    dest = Path(results) / RECORDS_DIR
     seen: dict[tuple[int, int], list[float]] = {}
-    for d in sorted(dest.iterdir()) if dest.is_dir() else []:
+    for d in record_folders(results):
         rd = RunDir(d)
         if not rd.is_done():
             continue

@@ -34,9 +34,13 @@ def run_folders(path: str | Path) -> list[Path]:
         raise AnalysisError(f"{p} is not a folder")
     if RunDir(p).config.is_file():
         return [p]
-    if (p / RECORDS_DIR).is_dir():  # a committed study: its runs' records (analysis.records)
+    if (p / RECORDS_DIR).is_dir():  # a committed study: its runs' records (analysis.records), checked
+        from qkgeom.analysis.prereg import check_records
+
+        check_records(p)
         p = p / RECORDS_DIR
-    return sorted(d for d in p.iterdir() if d.is_dir() and RunDir(d).is_run())
+    # hidden folders are a killed write's temp folders, never runs
+    return sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith(".") and RunDir(d).is_run())
 
 
 def _run_info(rd: RunDir) -> dict:

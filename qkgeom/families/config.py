@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkgeom.config import PR_CONVENTIONS, ConfigError, _build, apply_overrides, resolve_preset
+from qkgeom.config import ConfigError, Conventions, _build, apply_overrides, resolve_preset
+from qkgeom.errors import read_text
 
 
 @dataclass(frozen=True)
@@ -46,10 +47,17 @@ class PretrainedConfig:
     pr_convention: str = "variance"
     """PR of `variance`s (covariance eigenvalues, qkgeom's) or of `singular` values (public Pythia weight
     datasets); every PR row's note names it (see probe.pr_convention)."""
+    alpha_convention: str = "weightwatcher"
+    """Heavy-tail alpha fit: `weightwatcher` (WeightWatcher 0.7.7's) or `clauset` (see probe.alpha_convention)."""
     gram_dtype: str = "float32"
     """Precision of each batch's centered Gram matrix (running state is float64): float32 or float64."""
     early_max_step: int = 1000
     """Last step of the early window of the family trend statistics."""
+
+    @property
+    def conventions(self) -> Conventions:
+        """The spectral conventions of this measurement, as one checked value."""
+        return Conventions(self.pr_convention, self.alpha_convention)
 
 
 def load_pretrained(path: str | Path | None = None, overrides: list[str] | None = None) -> PretrainedConfig:
@@ -58,7 +66,7 @@ def load_pretrained(path: str | Path | None = None, overrides: list[str] | None 
     if path is not None:
         p = resolve_preset(path)
         try:
-            data = tomllib.loads(p.read_text()).get("pretrained", {})
+            data = tomllib.loads(read_text(p, ConfigError)).get("pretrained", {})
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
     # keys are written bare (n_tokens=...) or as in the file's table and the messages (pretrained.n_tokens=...)
@@ -76,10 +84,10 @@ def load_pretrained(path: str | Path | None = None, overrides: list[str] | None 
     need(pc.every >= 1, f"pretrained.every must be >= 1, got {pc.every}")
     need(pc.family in ("", "pythia"), f"pretrained.family must be 'pythia' or empty, got {pc.family!r}")
     need(pc.logit_max_seqs >= 0, f"pretrained.logit_max_seqs must be >= 0 (0 = all), got {pc.logit_max_seqs}")
-    need(
-        pc.pr_convention in PR_CONVENTIONS,
-        f"pretrained.pr_convention must be one of {PR_CONVENTIONS}, got {pc.pr_convention!r}",
-    )
+    try:
+        pc.conventions  # noqa: B018 - builds and checks the conventions (one door)
+    except ConfigError as e:
+        raise ConfigError(f"pretrained.{e}") from None
     need(
         pc.gram_dtype in ("float32", "float64"),
         f"pretrained.gram_dtype must be float32 or float64, got {pc.gram_dtype!r}",

@@ -64,6 +64,8 @@ def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
     vocab = rd.vocab.read_text()
     out = Path(out)
     _check_same_run(rd, out)
+    for stale in sorted(out.glob(".step_*.tmp")) if out.is_dir() else []:  # a killed export's half revision
+        shutil.rmtree(stale, ignore_errors=True)
     written: list[Path] = []
     for ckpt in sorted(rd.checkpoints.glob("*.pt")):
         state = rd.load_checkpoint(ckpt.name)

@@ -22,9 +22,10 @@ from scipy import stats as sps
 
 from qkgeom import config as C
 from qkgeom.analysis import stats
+from qkgeom.errors import read_text
 from qkgeom.families.config import PretrainedConfig
 from qkgeom.probing import archs
-from qkgeom.results import EXPORT_INFO, EXPORT_VOCAB, RunDir, provenance, read_json, write_json
+from qkgeom.results import EXPORT_INFO, EXPORT_VOCAB, DamagedRunError, RunDir, provenance, read_json, write_json
 
 PYTHIA_TOKENS_PER_STEP = 2_097_152  # 1024 sequences x 2048 tokens
 
@@ -74,7 +75,7 @@ def analyse_revision(
     batches = token_batches(tokens, seq_len, pc.batch_size, pc.n_tokens, prefix)
     rows, spectra = analyse_model(
         model, batches, progress, pc.logit_max_seqs or None, getattr(torch, pc.gram_dtype),
-        pr_convention=pc.pr_convention,
+        conventions=pc.conventions,
     )  # fmt: skip
     step = step_of(rev)
     tps = tokens_per_step(path)
@@ -141,6 +142,16 @@ def analyse_family(
     return folders
 
 
+def local_revisions(root: Path) -> list[str]:
+    """The revision sub-folders of a local model folder: those with a config.json, never a hidden
+    one (a killed export's temp folder); in a qkgeom export (any revision carries EXPORT_INFO, written
+    last) only the revisions that carry it, i.e. that were exported whole."""
+    found = [d for d in root.iterdir() if d.is_dir() and not d.name.startswith(".") and (d / "config.json").is_file()]
+    if any((d / EXPORT_INFO).is_file() for d in found):
+        found = [d for d in found if (d / EXPORT_INFO).is_file()]
+    return [d.name for d in found]
+
+
 def family_revisions(pc: PretrainedConfig) -> list[str | None]:
     """The revisions a config names: its list, its family schedule, every sub-folder of a local
     folder (ordered by step), or [None] (the default revision)."""
@@ -151,10 +162,7 @@ def family_revisions(pc: PretrainedConfig) -> list[str | None]:
         root = Path(pc.model)
         if not root.is_dir():
             raise archs.PretrainedError(f"pretrained.all_revisions needs a local folder, got {pc.model!r}")
-        revisions += sorted(
-            (d.name for d in root.iterdir() if (d / "config.json").is_file()),
-            key=lambda r: (step_of(r) is None, step_of(r) or 0, r),
-        )
+        revisions += sorted(local_revisions(root), key=lambda r: (step_of(r) is None, step_of(r) or 0, r))
     return revisions or [None]
 
 
@@ -169,7 +177,7 @@ def sample_text(pc: PretrainedConfig) -> str:
         path = raw if raw.is_file() else resolve_source("wikitext-2") / "valid.txt"
     if not path.is_file():
         raise FileNotFoundError(f"text file {path} does not exist")
-    return path.read_text(encoding="utf-8")[: pc.n_tokens * 8]  # ample: tokens are >= 1 character
+    return read_text(path, archs.PretrainedError)[: pc.n_tokens * 8]  # ample: tokens are >= 1 character
 
 
 def run_pretrained(
@@ -193,7 +201,7 @@ def run_pretrained(
         key = str(vocab) if vocab.is_file() else (pc.tokenizer or pc.model)
         if key not in cache:
             cache[key] = (
-                (Vocab.from_json(vocab.read_text()).encode(text).astype("int64"), ())
+                (Vocab.from_json(read_text(vocab, DamagedRunError)).encode(text).astype("int64"), ())
                 if vocab.is_file()
                 else text_tokens(path, text, pc.tokenizer or None, special_tokens=not pc.strip_special_tokens)
             )
@@ -206,7 +214,7 @@ def run_pretrained(
 # the settings that change a revision's numbers: revisions measured under others cannot share a family folder
 MEASUREMENT_SETTINGS = (
     "model", "text", "tokenizer", "n_tokens", "seq_len", "batch_size", "strip_special_tokens", "logit_max_seqs",
-    "gram_dtype", "pr_convention",
+    "gram_dtype", "pr_convention", "alpha_convention",
 )  # fmt: skip
 
 
@@ -222,7 +230,8 @@ def check_same_settings(pc: PretrainedConfig, out: Path) -> None:
             continue
         was = read_json(rd.config).get("pretrained_config", {})
         for key in MEASUREMENT_SETTINGS:
-            before = was.get(key, "variance" if key == "pr_convention" else None)  # older folders: the default
+            # older folders: the default of their day (alpha rows were fitted `clauset` before the setting)
+            before = was.get(key, {"pr_convention": "variance", "alpha_convention": "clauset"}.get(key))
             if before is not None and before != now[key]:
                 raise archs.PretrainedError(
                     f"{out} already holds revisions measured with {key} = {before!r} ({d.name}); this run has "
@@ -239,7 +248,7 @@ def load_family(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     frames, infos = [], []
     for d in sorted(Path(path).iterdir()):
         rd = RunDir(d)
-        if not rd.is_done():
+        if not rd.is_done() or d.name.startswith("."):
             continue
         info = read_json(rd.config)
         g = rd.read_geometry()
@@ -255,6 +264,22 @@ def load_family(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame]:
     revs["duplicate_of"] = np.where(first != revs["revision"], first, "")
     revs["flag"] = np.where(revs["duplicate_of"] != "", "identical weights to " + revs["duplicate_of"], "")
     return pd.concat(frames, ignore_index=True), revs
+
+
+def left_out_revisions(path: str | Path) -> list[str]:
+    """'<folder> (why)' for every revision folder under `path` that load_family leaves out: unfinished
+    (no done.json: a killed or failed measurement) or a hidden temp folder of a killed write."""
+    out = []
+    for d in sorted(Path(path).iterdir()):
+        rd = RunDir(d)
+        if not d.is_dir() or not (rd.config.is_file() or rd.error.is_file() or d.name.startswith(".")):
+            continue  # the report folder, tables
+        if d.name.startswith("."):
+            out.append(f"{d.name} (a temp folder of a killed write)")
+        elif not rd.is_done():
+            why = "failed: " + rd.read_error() if rd.error.is_file() else "unfinished: no done.json"
+            out.append(f"{d.name} ({why})")
+    return out
 
 
 # family.parquet: the columns, in order (docs/GLOSSARY.md, "family.parquet")

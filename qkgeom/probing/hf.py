@@ -11,6 +11,7 @@ forward hooks on the projections. Weight-side spectra use per-architecture W_Q^h
 from __future__ import annotations
 
 import hashlib
+import pickle
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qkgeom.config import DEFAULT_CONVENTIONS, Conventions
 from qkgeom.probing.archs import ADD_ARCH_HINT, ARCHS, PretrainedError, arch_of, check_model_type
 from qkgeom.probing.probe import GeometryAccumulator, nonfinite_weights, weight_geometry
 
@@ -188,10 +190,20 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
     hf_logging.set_verbosity_error()  # its load report would repeat, unasked, what check_loading_info refuses
     try:
         model, info = cls.from_pretrained(
-            name, revision=revision, attn_implementation=ATTN_IMPL, dtype=torch.float32, output_loading_info=True
+            name,
+            revision=revision,
+            attn_implementation=ATTN_IMPL,
+            dtype=torch.float32,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported in `info` and refused by check_loading_info, by name
         )
     except (OSError, ValueError) as e:
         raise _load_error(name, revision, e) from None
+    except pickle.UnpicklingError:  # torch's weights-only loader refused a pickle that holds more than tensors
+        raise PretrainedError(
+            f"the weights of {name} are a pickle holding more than tensors; torch refuses to unpickle it (it could "
+            "run code): convert it to safetensors where you trust its source"
+        ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
     check_loading_info(name, info)
@@ -199,9 +211,11 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
 
 
 # Weights a checkpoint may lack or carry beyond the model we build without changing what we measure:
-# task heads (we read the body), tied output embeddings, and buffers older checkpoints saved.
+# task heads (we read the body), tied output embeddings, and buffers older checkpoints saved. The
+# buffers are matched as whole names: GPT-2's causal-mask buffer `h.N.attn.bias` is harmless, its
+# Q/K/V bias `h.N.attn.c_attn.bias` is a weight (a missing one would be measured as zero).
 _HARMLESS = re.compile(
-    r"^(lm_head|cls\.|pooler|.*\.pooler\.|score|classifier|qa_outputs)|(inv_freq|masked_bias|attn\.bias)$"
+    r"^(lm_head|cls\.|pooler|.*\.pooler\.|score|classifier|qa_outputs)|(^|\.)(inv_freq|masked_bias|attn\.bias)$"
 )
 
 
@@ -264,7 +278,7 @@ def analyse_model(
     logit_max_seqs: int | None = 4,
     gram_dtype: torch.dtype = torch.float32,
     keep: list | None = None,
-    pr_convention: str = "variance",
+    conventions: Conventions = DEFAULT_CONVENTIONS,
 ) -> tuple[list[dict], dict]:
     """Stream batches through `model`; rows (layer, head, site, metric, value) and spectra.
 
@@ -272,7 +286,7 @@ def analyse_model(
     the costly part) uses the first `logit_max_seqs` sequences (None: all). Each batch's centered
     Gram matrix is formed in `gram_dtype`; means, merges and the running state stay float64.
     `keep`: a list to receive every attention call's q, k, pattern (and pre-rotary q, k) — for tests.
-    pr_convention: `variance` or `singular` (see probe.measure); every PR row's note names it."""
+    conventions: the PR and alpha conventions (config.Conventions); every such row's note names its own."""
     from tqdm.auto import tqdm
 
     arch = arch_of(model)
@@ -284,11 +298,11 @@ def analyse_model(
         model.set_attn_implementation(ATTN_IMPL)
     if arch.rotary:
         accs = {
-            "post_rotary": GeometryAccumulator(True, "post_rotary", logit_max_seqs, gram_dtype, pr_convention),
-            "pre_rotary": GeometryAccumulator(False, "pre_rotary", None, gram_dtype, pr_convention),
+            "post_rotary": GeometryAccumulator(True, "post_rotary", logit_max_seqs, gram_dtype, conventions),
+            "pre_rotary": GeometryAccumulator(False, "pre_rotary", None, gram_dtype, conventions),
         }
     else:
-        accs = {"none": GeometryAccumulator(True, "none", logit_max_seqs, gram_dtype, pr_convention)}
+        accs = {"none": GeometryAccumulator(True, "none", logit_max_seqs, gram_dtype, conventions)}
     body = getattr(model, "base_model", model)  # the LM head's logits are not needed: skip them
     with recording(model, accs, keep):
         for idx in tqdm(batches, disable=not progress, desc="batches", unit="batch"):
@@ -297,13 +311,13 @@ def analyse_model(
     w_q, w_k = arch.weights(model)
     w_v, w_o = arch.value_output(model)
     w_rows, w_spectra = weight_geometry(
-        w_q, w_k, site="pre_rotary" if arch.rotary else "none", w_v=w_v, w_o=w_o, pr_convention=pr_convention
+        w_q, w_k, site="pre_rotary" if arch.rotary else "none", w_v=w_v, w_o=w_o, conventions=conventions
     )
     gains = arch.gains(model)
     if gains is not None:  # q/k-norm models: the same metrics with the norm gains folded into W_Q, W_K
         folded_q = [w * g[:, None, :] for w, g in zip(w_q, gains[0], strict=True)]
         folded_k = [w * g[:, None, :] for w, g in zip(w_k, gains[1], strict=True)]
-        f_rows, f_spectra = weight_geometry(folded_q, folded_k, site="norm_folded", pr_convention=pr_convention)
+        f_rows, f_spectra = weight_geometry(folded_q, folded_k, site="norm_folded", conventions=conventions)
         w_rows += f_rows
         w_spectra |= {f"norm_folded_{k}": v for k, v in f_spectra.items()}
     spectra = {

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from qkgeom.config import DEFAULT_CONVENTIONS, Conventions
 from qkgeom.errors import QKGeomError
 from qkgeom.probing import geometry as G
 
@@ -76,11 +77,9 @@ class GeometryAccumulator:
         site: str = "none",
         logit_max_seqs: int | None = None,
         gram_dtype: torch.dtype = torch.float64,
-        pr_convention: str = "variance",
+        conventions: Conventions = DEFAULT_CONVENTIONS,
     ) -> None:
-        if pr_convention not in G.PR_CONVENTIONS:
-            raise ValueError(f"PR convention {pr_convention!r}; allowed: {', '.join(G.PR_CONVENTIONS)}")
-        self.pr_convention = pr_convention  # every PR row is computed under it and says so in its note
+        self.conventions = conventions  # every PR row is computed under it and says so in its note
         self.layers: list[_Layer] = []
         self.gram_dtype = gram_dtype
         self.logit_spectrum = logit_spectrum
@@ -157,7 +156,7 @@ class GeometryAccumulator:
             q = torch.stack([qs[j][:room] for j in members])  # (L, B, H_q, T, E)
             k = torch.stack([ks[j][:room] for j in members])
             k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # each query head with the key head it reads
-            sums = _logit_sums(q, k, causal, self.pr_convention)
+            sums = _logit_sums(q, k, causal, self.conventions.pr)
             for i, j in enumerate(members):
                 self._add_logits(self.layers[layers[j]], {key: v[i] for key, v in sums.items()}, scales[j], room)
 
@@ -203,7 +202,7 @@ class GeometryAccumulator:
         """Tidy rows (layer, head, site, metric, value) for everything streamed so far."""
         out: list[dict] = []
 
-        conv = self.pr_convention
+        conv = self.conventions.pr
 
         def add(layer: int, head: int, metric: str, value: float) -> None:
             note = (
@@ -345,10 +344,12 @@ def _alpha_rows(
             for h, ev in spectra]  # fmt: skip
 
 
-def _fill_alphas(pending: list[tuple[dict, np.ndarray]]) -> None:
-    """Each row's value the alpha of its spectrum, its note the fit's reason where alpha is NaN."""
-    for (row, _), fit in zip(pending, G.power_law_alphas([ev for _, ev in pending]), strict=True):
-        row["value"], row["note"] = fit["alpha"], fit["reason"]
+def _fill_alphas(pending: list[tuple[dict, np.ndarray]], convention: str) -> None:
+    """Each row's value the alpha of its spectrum under `convention`; its note names the convention,
+    and the fit's reason where alpha is NaN."""
+    fits = G.power_law_alphas([ev for _, ev in pending], convention=convention)
+    for (row, _), fit in zip(pending, fits, strict=True):
+        row["value"], row["note"] = fit["alpha"], G.alpha_note(convention, fit["reason"])
 
 
 def weight_geometry(
@@ -357,7 +358,7 @@ def weight_geometry(
     site: str = "none",
     w_v: list[Tensor] | None = None,
     w_o: list[Tensor] | None = None,
-    pr_convention: str = "variance",
+    conventions: Conventions = DEFAULT_CONVENTIONS,
 ) -> tuple[list[dict], dict[str, np.ndarray]]:
     """Weight-side rows and spectra. w_q[l]: (H_q, D, E), w_k[l]: (H_kv, D, E) per layer; optionally
     w_v[l] (H_kv, D, E) and w_o[l] (H_q, D, E) (W_O^h transposed: the rows of W_O that head h writes).
@@ -367,7 +368,9 @@ def weight_geometry(
     The heavy-tail exponent alpha (ALPHA_METRICS) of W_Q^h, W_K^h, W_Q^h W_K^h^T (and W_V^h, W_O^h if
     given) per head, and of each layer's whole W_Q, W_K (W_V, W_O) at head = -1; NaN with a note
     where a fit is not possible (too few tail eigenvalues, an all-zero or rank-one matrix, NaN/Inf).
+    PRs and alphas under `conventions`; each such row's note names its convention.
     """
+    pr_convention = conventions.pr
     rows: list[dict] = []
     alphas: list[tuple[dict, np.ndarray]] = []  # rows waiting for their alpha, fitted together at the end
 
@@ -415,7 +418,7 @@ def weight_geometry(
         sq.append(sv_q.numpy())
         sk.append(sv_k.numpy())
         sqk.append(sv_qk.numpy())
-    _fill_alphas(alphas)
+    _fill_alphas(alphas, conventions.alpha)
     spectra = {
         "W_Q_singular_values": np.stack(sq),
         "W_K_singular_values": np.stack(sk),
@@ -502,6 +505,7 @@ def measure(
     w_q: list[Tensor] | None = None,
     w_k: list[Tensor] | None = None,
     pr_convention: str = "variance",
+    alpha_convention: str = "weightwatcher",
 ):
     """Bring your own activations: q, k (and optionally the attention pattern) from any source ->
     the same tidy rows (layer, head, site, metric, value) as a DataFrame.
@@ -512,12 +516,14 @@ def measure(
     normalisation, logit spectrum). w_q, w_k: optional per-layer (H, D, E) weights for the weight-side
     metrics. pr_convention: `variance` (PR of covariance eigenvalues, the default) or `singular` (PR of
     singular values, as public Pythia weight datasets compute it); every PR row's `note` names it.
+    alpha_convention: `weightwatcher` (WeightWatcher 0.7.7's fit, the default) or `clauset`.
     For many batches, stream them through GeometryAccumulator.update instead (memory then does not
     grow with tokens).
     """
     import pandas as pd
 
-    return pd.DataFrame(activation_geometry(q, k, pattern, causal, w_q, w_k, pr_convention=pr_convention)[0])
+    conventions = Conventions(pr_convention, alpha_convention)
+    return pd.DataFrame(activation_geometry(q, k, pattern, causal, w_q, w_k, conventions=conventions)[0])
 
 
 def activation_geometry(
@@ -528,7 +534,7 @@ def activation_geometry(
     w_q: list[Tensor] | None = None,
     w_k: list[Tensor] | None = None,
     logit_max_seqs: int | None = None,
-    pr_convention: str = "variance",
+    conventions: Conventions = DEFAULT_CONVENTIONS,
 ) -> tuple[list[dict], dict[str, np.ndarray]]:
     """measure()'s rows as dicts, with the spectra: checked, detached activations through one
     GeometryAccumulator, plus the weight-side rows when w_q and w_k are given."""
@@ -539,11 +545,11 @@ def activation_geometry(
     qs, ks = layers(q), layers(k)
     pats = layers(pattern) if pattern is not None else [None] * len(qs)
     check_activations(qs, ks, pats)
-    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs, pr_convention=pr_convention)
+    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs, conventions=conventions)
     acc.update(QKSnapshot(q=qs, k=ks, pattern=pats, causal=causal))
     rows, spectra = acc.rows(), acc.spectra()
     if w_q is not None and w_k is not None:
-        w_rows, w_spectra = weight_geometry(layers(w_q), layers(w_k), pr_convention=pr_convention)
+        w_rows, w_spectra = weight_geometry(layers(w_q), layers(w_k), conventions=conventions)
         rows, spectra = rows + w_rows, spectra | w_spectra
     return rows, spectra
 
@@ -574,12 +580,15 @@ def gpt_value_output(model: torch.nn.Module) -> tuple[list[Tensor], list[Tensor]
 
 
 def probe_gpt(
-    model: torch.nn.Module, idx: Tensor, logit_max_seqs: int | None = None, pr_convention: str = "variance"
+    model: torch.nn.Module,
+    idx: Tensor,
+    logit_max_seqs: int | None = None,
+    conventions: Conventions = DEFAULT_CONVENTIONS,
 ) -> tuple[list[dict], dict[str, np.ndarray]]:
     """All activation- and weight-side rows and spectra of our GPT on the probe batch; the logit
-    spectrum from the first `logit_max_seqs` sequences (None: all); PRs under `pr_convention`."""
-    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs, pr_convention=pr_convention)
+    spectrum from the first `logit_max_seqs` sequences (None: all); PRs and alphas under `conventions`."""
+    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs, conventions=conventions)
     acc.update(gpt_snapshot(model, idx))
     w_v, w_o = gpt_value_output(model)
-    w_rows, w_spectra = weight_geometry(*gpt_weights(model), w_v=w_v, w_o=w_o, pr_convention=pr_convention)
+    w_rows, w_spectra = weight_geometry(*gpt_weights(model), w_v=w_v, w_o=w_o, conventions=conventions)
     return acc.rows() + w_rows, {**acc.spectra(), **w_spectra}

@@ -212,7 +212,8 @@ class Probe:
                     "n_seqs": int(batch.shape[0]),
                     "seq_len": int(batch.shape[1]),
                     "logit_max_seqs": self.logit_max_seqs,
-                    "pr_convention": self.pr_convention,
+                    "pr_convention": self.conventions.pr,
+                    "alpha_convention": self.conventions.alpha,
                 },
                 "intervention": {"kind": "none"},
             },
@@ -304,7 +305,7 @@ class Probe:
         model.eval()
         try:
             if self.kind == "gpt":
-                return probe_gpt(model, self.batch.to(device), self.logit_max_seqs or None, self.pr_convention)
+                return probe_gpt(model, self.batch.to(device), self.logit_max_seqs or None, self.conventions)
             if self.kind == "capture":
                 return self._captured(model, self.batch.to(device))
             impl = model.config._attn_implementation
@@ -313,7 +314,7 @@ class Probe:
                     model,
                     iter([self.batch.to(device)]),
                     logit_max_seqs=self.logit_max_seqs or None,
-                    pr_convention=self.pr_convention,
+                    conventions=self.conventions,
                 )
             finally:
                 if model.config._attn_implementation != impl:
@@ -327,7 +328,7 @@ class Probe:
         got = self.capture(model, batch)
         return activation_geometry(
             got["q"], got["k"], got.get("pattern"), got.get("causal", True), got.get("w_q"), got.get("w_k"),
-            self.logit_max_seqs or None, self.pr_convention,
+            self.logit_max_seqs or None, self.conventions,
         )  # fmt: skip
 
     def log_metrics(self, step: int, loss: float, split: str = "train", tokens_seen: int | None = None) -> None:

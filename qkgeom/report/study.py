@@ -585,6 +585,27 @@ def verdicts_ladder(claims: pd.DataFrame) -> pd.DataFrame:
     return verdicts(sel, select=False)
 
 
+CLAIMS_NEEDED = ("claim", "group", "window", "value", "ci_low", "ci_high", "n", "verdict", "p_value", "detail")
+
+
+def _committed_claims(path: Path) -> pd.DataFrame:
+    """A committed claims.csv, refused in one line (DamagedRunError) where it is truncated or garbled."""
+    if not path.read_bytes().endswith(b"\n"):  # every table qkgeom writes ends its last row
+        raise DamagedRunError(f"{path} is damaged (its last row is cut off); re-derive it with qkgeom analyze")
+    try:
+        claims = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise DamagedRunError(
+            f"{path} is damaged ({str(e).splitlines()[0]}); re-derive it with qkgeom analyze"
+        ) from None
+    lost = [c for c in CLAIMS_NEEDED if c not in claims.columns]
+    if lost or claims["p_value"].map(lambda v: isinstance(v, str) and v != "").any():
+        what = f"no column {lost[0]!r}" if lost else "a p_value that is not a number"
+        raise DamagedRunError(f"{path} is damaged ({what}; truncated?); re-derive it with qkgeom analyze")
+    claims["verdict"] = claims["verdict"].fillna("")
+    return claims
+
+
 def verdicts_index(root: str | Path) -> str:
     """docs/results/VERDICTS.md: every pre-registered primary row of every committed study, with its
     raw p (as its claims.csv has it), the exact sign-flip p from its committed per-seed values (and
@@ -592,12 +613,14 @@ def verdicts_index(root: str | Path) -> str:
     study's primary rows together (the project's whole confirmatory family)."""
     root = Path(root)
     found = []
+    amended = []
     for d in sorted(p for p in root.iterdir() if (p / "claims.csv").is_file()):
         spec = study_analysis(d, by_name=True).get("primary", [])
         if not spec:
             continue
-        claims = pd.read_csv(d / "claims.csv", keep_default_na=False, na_values=[""])
-        claims["verdict"] = claims["verdict"].fillna("")
+        check_records(d)  # records judged under another pre-registration, or bent: refused
+        amended += [(d.name, v) for v in registered_versions(d)]
+        claims = _committed_claims(d / "claims.csv")
         claims = A.adjust_primary(claims, spec)
         for spec_row in spec:
             for r in claims[claims["primary"] == spec_row["id"]].itertuples(index=False):
@@ -628,4 +651,12 @@ def verdicts_index(root: str | Path) -> str:
             f"| {study} | {cid} | {r.claim} | {r.group} | {r.window} | {_fmt(r.value)}{ci} | {r.n} | {r.verdict} | "
             f"{_fmt(r.p_value)} | {_fmt(flip)} | {_fmt(floor)} | {_fmt(r.p_holm)} | {_fmt(p_a)} | {survives} |"
         )
+    if amended:  # a pre-registration amended after its records: every registered version, oldest first
+        lines += [
+            "",
+            "Pre-registration versions (registered amendments; the records keep the digest they were judged under):",
+            "",
+        ]
+        lines += [f"- {study} v{v['version']}{' (' + v['registered'] + ')' if v.get('registered') else ''}: "
+                  f"{v['note']}" for study, v in amended]  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -117,7 +117,7 @@ def baseline_spectra(iv: C.InterventionConfig, rd: RunDir) -> tuple[np.ndarray, 
     if not base.is_done():
         raise TrainingError(f"baseline run {base.path} is not finished (train the none run first)")
     g = base.read_geometry()
-    metric = I.controlled_metric(iv)
+    metric = metric or I.controlled_metric(iv)
     g = g[(g["metric"] == metric) & (g["head"] >= 0) & (g["site"] == "none")]
     if g.empty:
         raise TrainingError(f"baseline run {base.path} has no per-head {metric!r} rows (probed by an older qkgeom?)")
@@ -384,7 +384,7 @@ class _Run:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NumericalWarning)
             rows, spec = probe_gpt(
-                self.model, self.probe_idx, self.cfg.probe.logit_max_seqs or None, self.cfg.probe.pr_convention
+                self.model, self.probe_idx, self.cfg.probe.logit_max_seqs or None, self.cfg.probe.conventions
             )
         for w in caught:  # a numerical fallback is recorded, never fatal
             self.rd.append_warning({"step": step, "warning": str(w.message)})

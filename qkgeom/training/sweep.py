@@ -35,7 +35,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from qkgeom import config as C
-from qkgeom.errors import QKGeomError
+from qkgeom.errors import QKGeomError, read_text
 from qkgeom.executor import Job, JobLost, run_jobs
 from qkgeom.results import SWEEP_MANIFEST, RunDir, folder_lock, write_json
 
@@ -80,7 +80,7 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
     """Parse a sweep file; `extra` are ``key=value`` overrides added to its [set] table."""
     p = resolve_sweep(path)
     try:
-        data = tomllib.loads(p.read_text())
+        data = tomllib.loads(read_text(p, SweepError))
     except tomllib.TOMLDecodeError as e:
         raise SweepError(f"sweep file {p} is not valid TOML: {e}") from None
     unknown = sorted(set(data) - {"sweep", "set", "grid", "analysis"})

@@ -1,0 +1,180 @@
+"""A study's pre-registration and the records judged under it: what pins one to the other.
+
+A pre-registration is the text that fixes a study's primaries before it runs: the study file
+(``configs/study-<name>.toml``, its comment block and ``[analysis]``), or, for a study run by a
+script, the results folder's ``preregistration.toml``; and the ``[analysis]`` table the analysis
+actually reads (the sweep manifest's copy, where there is one). ``digest`` hashes each of these.
+Every record (analysis.records) carries the digest it was judged under; ``check_records`` refuses,
+in one line naming the file, a folder whose pre-registration changed after its records were written,
+unless the change was registered as a new version (``register_version``: kept in
+``preregistration_versions.json`` beside the records, both versions listed in VERDICTS.md). It also
+refuses records whose identity does not add up: a folder name that is not its config's run id, a
+record that stopped short of its own steps, two records of one (arm, seed, budget).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from datetime import date
+from pathlib import Path
+
+from qkgeom.errors import QKGeomError, read_text
+from qkgeom.results import RECORDS_DIR, SWEEP_MANIFEST, RunDir, read_json, write_json
+
+PREREGISTRATION = "preregistration.toml"  # a script-run study's pre-registration, in its results folder
+VERSIONS = "preregistration_versions.json"  # registered amendments of a study's pre-registration
+
+
+class RecordError(QKGeomError, ValueError):
+    """A study's records do not match their pre-registration, or each other."""
+
+
+def study_file(path: Path) -> Path | None:
+    """configs/study-<name>.toml of a results folder: by its manifest's sweep name, else by its own name."""
+    from qkgeom.config import CONFIG_DIR
+
+    path = Path(path)
+    name = read_json(path / SWEEP_MANIFEST).get("name", "") if (path / SWEEP_MANIFEST).is_file() else ""
+    for stem in (name, f"study-{path.name.removeprefix('study-')}"):
+        if stem and (CONFIG_DIR / f"{stem}.toml").is_file():
+            return CONFIG_DIR / f"{stem}.toml"
+    return None
+
+
+def study_analysis(path: Path, by_name: bool = False) -> dict:
+    """The [analysis] table of a study's pre-registration (primary family, margin, records): as its
+    sweep manifest recorded it, else from the folder's preregistration.toml (a study run by a script,
+    not a sweep), else, with by_name, from configs/study-<name>.toml for a results folder named
+    study-<name> or <name> (a committed study's folder holds no manifest); {} if none has one."""
+    path = Path(path)
+    if (path / SWEEP_MANIFEST).is_file():
+        return read_json(path / SWEEP_MANIFEST).get("analysis", {})
+    files = [path / PREREGISTRATION]
+    if by_name:
+        files.append(study_file(path))
+    for f in files:
+        if f is not None and f.is_file():
+            return tomllib.loads(read_text(f, RecordError)).get("analysis", {})
+    return {}
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def digest(path: str | Path) -> dict[str, str]:
+    """sha256 of each text that pre-registers the study in `path`, keyed by what it is: the study
+    file, preregistration.toml, and the [analysis] table as the analysis reads it (canonical JSON)."""
+    path = Path(path)
+    out = {}
+    for f in (study_file(path), path / PREREGISTRATION):
+        if f is not None and f.is_file():
+            out[f.name] = _sha(f.read_bytes())
+    source = SWEEP_MANIFEST if (path / SWEEP_MANIFEST).is_file() else PREREGISTRATION
+    if source == PREREGISTRATION and not (path / PREREGISTRATION).is_file():
+        source = f.name if (f := study_file(path)) is not None else "no file"
+    out[f"{source} [analysis]"] = _sha(json.dumps(study_analysis(path, by_name=True), sort_keys=True).encode())
+    return out
+
+
+def registered_versions(path: str | Path) -> list[dict]:
+    """The registered versions of a study's pre-registration (oldest first); [] where never amended."""
+    f = Path(path) / VERSIONS
+    return read_json(f)["versions"] if f.is_file() else []
+
+
+def register_version(path: str | Path, note: str) -> dict:
+    """Register the current pre-registration of `path` as a new version (its records keep theirs):
+    the first call also registers the version the records were judged under. Returns the new entry."""
+    path = Path(path)
+    if not note.strip():
+        raise RecordError("a new pre-registration version needs a note saying what changed and why")
+    versions = registered_versions(path)
+    if not versions:
+        judged = {json.dumps(d, sort_keys=True) for d in _record_digests(path).values()}
+        versions = [{"version": i + 1, "digest": json.loads(d), "note": "as first registered"}
+                    for i, d in enumerate(sorted(judged))]  # fmt: skip
+    now = digest(path)
+    if any(v["digest"] == now for v in versions):
+        raise RecordError(f"{path}: the current pre-registration is already registered (nothing changed)")
+    entry = {"version": len(versions) + 1, "digest": now, "note": note.strip(), "registered": date.today().isoformat()}
+    write_json(path / VERSIONS, {"versions": [*versions, entry]})
+    return entry
+
+
+def record_folders(path: str | Path) -> list[Path]:
+    """The record folders under `path`/runs/ (hidden temp folders of a killed write are not records)."""
+    dest = Path(path) / RECORDS_DIR
+    return sorted(d for d in dest.iterdir() if d.is_dir() and not d.name.startswith(".")) if dest.is_dir() else []
+
+
+def _record_digests(path: Path) -> dict[str, dict]:
+    out = {}
+    for d in record_folders(path):
+        judged = read_json(RunDir(d).config).get("record", {}).get("preregistration")
+        if judged is not None:
+            out[d.name] = judged
+    return out
+
+
+def _check_digests(path: Path) -> None:
+    now = digest(path)
+    allowed = [now]
+    versions = registered_versions(path)
+    if versions and versions[-1]["digest"] == now:
+        allowed = [v["digest"] for v in versions]
+    for rid, judged in _record_digests(path).items():
+        if judged in allowed:
+            continue
+        changed = sorted(k for k in {*judged, *now} if judged.get(k) != now.get(k))
+        raise RecordError(
+            f"{path}: the pre-registration ({', '.join(changed)}) changed after its records were written "
+            f"(record {rid} was judged under {judged.get(changed[0], 'none')[:12]}, now "
+            f"{now.get(changed[0], 'none')[:12]}); restore it, or register the change as a new version "
+            f"(qkgeom.analysis.prereg.register_version)"
+        )
+
+
+def _check_identity(path: Path) -> None:
+    from qkgeom import config as C
+    from qkgeom.analysis.runs import arm_label
+
+    seen: dict[tuple, str] = {}
+    for d in record_folders(path):
+        rd = RunDir(d)
+        if not rd.is_done():
+            continue
+        info = read_json(rd.config)
+        cfg = info.get("config", {})
+        rid = info.get("run_id")
+        if info.get("source") != "qkgeom.Probe":  # our trainer's run: its id is a hash of its config
+            try:
+                rid = C.run_id(C.from_dict(cfg))
+            except (KeyError, TypeError, ValueError) as e:
+                raise RecordError(f"record {d} has an unreadable config ({e})") from None
+        if info.get("run_id") != d.name or rid != d.name:
+            raise RecordError(
+                f"record folder {d.name} holds the record of run {rid} (config.json says {info.get('run_id')}): "
+                "a record copied over another's folder"
+            )
+        step, steps = read_json(rd.done).get("step"), cfg["train"]["steps"]
+        if step != steps:
+            raise RecordError(f"record {d.name} finished at step {step}, not at its config's {steps} steps")
+        key = (arm_label(cfg["intervention"]), cfg["model"]["n_layers"], cfg["model"]["qk_init"],
+               cfg["train"]["seed"], cfg["train"]["data_seed"], steps)  # fmt: skip
+        if key in seen:
+            raise RecordError(f"records {seen[key]} and {d.name} are the same (arm, seed, budget): keep one")
+        seen[key] = d.name
+
+
+def check_records(path: str | Path) -> None:
+    """Refuse (RecordError, one line) a study folder whose records were judged under another
+    pre-registration than the current one (unless registered as a new version), or whose records'
+    identities do not add up. A folder without records passes."""
+    path = Path(path)
+    if not record_folders(path):
+        return
+    _check_identity(path)
+    _check_digests(path)
