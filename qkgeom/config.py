@@ -204,6 +204,12 @@ class InterventionConfig:
     """After the projection, rescale W_Q^h and W_K^h by sqrt(gamma) so the head's input-weighted logit
     scale tr(M C M^T C) (M = W_Q W_K^T / sqrt(E), C the running input covariance) is what it was before
     it: the arm changes spectrum shape only. Any kind but temperature."""
+    match_row_std: bool = False
+    """Closed-loop logit scale (causal v4): after the projection, rescale W_Q^h and W_K^h by one factor
+    so the head's per-row logit std on the training batch's causal rows (its first 4 sequences) equals
+    the same seed's none run's `logit_row_std` at that step, interpolated between its probes: the
+    statistic the scale check reads is the one held. Shape, hold, contract or expand; needs the none
+    run (reference = 'baseline'). Arm labels end in `:closed`."""
     floor: float = 1.5
     """shape: targets below this PR are raised to it (a PR of 1 is a rank-1 clamp); such heads are
     flagged in the probe rows (`key_participation_ratio_floor_raised`)."""
@@ -367,10 +373,11 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9_=,+\-][A-Za-z0-9._=,+\-]*")
 
 def arm_config(label: str) -> InterventionConfig:
     """The intervention an arm label names (the inverse of analysis.runs.arm_label): `none`,
-    `hold:key[:matched]`, `<kind>:<on>:<ratio>[:matched]`; shape and temperature relative to a baseline."""
+    `hold:key[:matched|:closed]`, `<kind>:<on>:<ratio>[:matched|:closed]`; shape and temperature relative
+    to a baseline (`:matched`: open-loop logit scale, match_scale; `:closed`: closed loop, match_row_std)."""
     parts = label.split(":")
-    matched = parts[-1] == "matched"
-    parts = parts[:-1] if matched else parts
+    matched, closed = parts[-1] == "matched", parts[-1] == "closed"
+    parts = parts[:-1] if matched or closed else parts
     kind = parts[0]
     ok = kind in INTERVENTIONS and len(parts) == (1 if kind == "none" else 2 if kind == "hold" else 3)
     try:
@@ -379,22 +386,31 @@ def arm_config(label: str) -> InterventionConfig:
         ok = False
     if not ok:
         raise ConfigError(
-            f"arm label {label!r} is not none, hold:<on>[:matched] or <kind>:<on>:<ratio>[:matched] "
+            f"arm label {label!r} is not none, hold:<on>[:matched|:closed] or <kind>:<on>:<ratio>[:matched|:closed] "
             f"(kind one of {INTERVENTIONS})"
         )
     on = parts[1] if kind in ("hold", "contract", "expand") else "key"
     return InterventionConfig(
-        kind=kind, on=on, ratio=ratio, match_scale=matched, reference="baseline", mode="two-sided"
+        kind=kind, on=on, ratio=ratio, match_scale=matched, match_row_std=closed, reference="baseline", mode="two-sided"
     )
+
+
+def needs_baseline(iv: InterventionConfig) -> bool:
+    """Whether an intervention reads the same seed's none run (its targets, or its closed-loop scale)."""
+    if iv.kind == "none" or iv.reference != "baseline":
+        return False
+    return iv.kind != "hold" or iv.match_row_std
 
 
 # config keys added after studies had committed their run ids (causal v3), with their defaults
 HASHED_ONLY_IF_SET = {
     "intervention.match_scale": False,
+    "intervention.match_row_std": False,
     "intervention.floor": 1.5,
     "intervention.cov_decay": 0.9,
     "intervention.instant": [],
     "probe.pr_convention": "variance",
+    "probe.alpha_convention": "weightwatcher",
 }
 
 
@@ -496,6 +512,18 @@ def validate(cfg: RunConfig) -> None:
     need(
         not iv.match_scale or iv.kind not in ("none", "temperature"),
         f"intervention.match_scale applies to a shape-changing kind, not {iv.kind!r}",
+    )
+    need(
+        not iv.match_row_std or iv.kind in ("shape", "hold", "contract", "expand"),
+        f"intervention.match_row_std applies to a shape-changing kind, not {iv.kind!r}",
+    )
+    need(
+        not (iv.match_row_std and iv.match_scale),
+        "intervention.match_row_std (closed loop) and match_scale (open loop) exclude each other",
+    )
+    need(
+        not iv.match_row_std or iv.reference == "baseline",
+        "intervention.match_row_std tracks the none run: it needs intervention.reference = 'baseline'",
     )
     need(iv.floor >= 1, f"intervention.floor must be >= 1 (a PR), got {iv.floor}")
     need(0 <= iv.cov_decay < 1, f"intervention.cov_decay must be in [0, 1), got {iv.cov_decay}")

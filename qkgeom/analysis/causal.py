@@ -62,7 +62,7 @@ MATCHED_ARM = "hold:key"
 def parse_arm(arm: str) -> tuple[str, str, float]:
     """`contract:key:0.6` -> (contract, key, 0.6); `hold:key` -> (hold, key, 1.0); `none` -> (none, key, 1.0);
     a `:matched` suffix (matched logit scale) is dropped: is_matched() reads it."""
-    parts = [p for p in arm.split(":") if p != "matched"]
+    parts = [p for p in arm.split(":") if p not in ("matched", "closed")]
     return parts[0], parts[1] if len(parts) > 1 else "key", float(parts[2]) if len(parts) > 2 else 1.0
 
 
@@ -78,8 +78,8 @@ def arm_signs(arm: str) -> tuple[int, int, str]:
 
 
 def is_matched(arm: str) -> bool:
-    """Whether the arm ran at matched logit scale (intervention.match_scale)."""
-    return arm.endswith(":matched")
+    """Whether the arm ran at matched logit scale (intervention.match_scale, or match_row_std: `:closed`)."""
+    return arm.endswith((":matched", ":closed"))
 
 
 def with_seed_window(df: pd.DataFrame) -> pd.DataFrame:

@@ -59,10 +59,11 @@ def _run_info(rd: RunDir) -> dict:
 
 def arm_label(iv: dict) -> str:
     """A condition's name in tables: `none`, `hold:key`, `contract:key:0.6`, `expand:interaction:1.25`,
-    `shape:activation:0.7`, `temperature:logit:0.5`; `:matched` is appended at matched logit scale."""
+    `shape:activation:0.7`, `temperature:logit:0.5`; `:matched` is appended at open-loop matched logit
+    scale (match_scale), `:closed` at closed-loop matched per-row logit std (match_row_std)."""
     kind, on = iv["kind"], iv.get("on", "key")
     on = {"shape": "activation", "temperature": "logit"}.get(kind, on)
-    matched = ":matched" if iv.get("match_scale") else ""
+    matched = ":matched" if iv.get("match_scale") else ":closed" if iv.get("match_row_std") else ""
     if kind == "none":
         return "none"
     if kind == "hold":

@@ -20,12 +20,22 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis import causal, spectral
+from qkgeom.analysis import causal, matched, spectral
 from qkgeom.analysis import claims as A
 from qkgeom.analysis.context import context_sentence, study_context
+from qkgeom.analysis.prereg import check_records, registered_versions, study_analysis
 from qkgeom.families.study import FAMILY_DIR, write_family_tables
 from qkgeom.report import plots
-from qkgeom.results import RECORDS_DIR, REPORT_INDEX, SWEEP_MANIFEST, RunDir, atomic_write_bytes, read_json, write_table
+from qkgeom.results import (
+    RECORDS_DIR,
+    REPORT_INDEX,
+    SWEEP_MANIFEST,
+    DamagedRunError,
+    RunDir,
+    atomic_write_bytes,
+    read_json,
+    write_table,
+)
 
 
 @dataclass
@@ -42,31 +52,11 @@ class Analysis:
     per_run: pd.DataFrame | None = None  # per (run, layer) post-transient statistics of the none runs
     dose_points: pd.DataFrame | None = None  # per (seed, arm) window means (intervention studies)
     dose_slopes: pd.DataFrame | None = None  # per seed dose-response fit
+    matched_dose: pd.DataFrame | None = None  # causal v4: per (layer, arm) dose and entropy vs sham, 95% t
 
     @property
     def is_intervention(self) -> bool:
         return self.geometry["intervention"].nunique() > 1
-
-
-def study_analysis(path: Path, by_name: bool = False) -> dict:
-    """The [analysis] table of a study's pre-registration (primary family, margin, records): as its
-    sweep manifest recorded it, else from the folder's preregistration.toml (a study run by a script,
-    not a sweep), else, with by_name, from configs/study-<name>.toml for a results folder named
-    study-<name> or <name> (a committed study's folder holds no manifest); {} if none has one."""
-    import tomllib
-
-    from qkgeom.config import CONFIG_DIR
-
-    path = Path(path)
-    if (path / SWEEP_MANIFEST).is_file():
-        return read_json(path / SWEEP_MANIFEST).get("analysis", {})
-    files = [path / "preregistration.toml"]
-    if by_name:
-        files.append(CONFIG_DIR / f"study-{path.name.removeprefix('study-')}.toml")
-    for f in files:
-        if f.is_file():
-            return tomllib.loads(f.read_text()).get("analysis", {})
-    return {}
 
 
 def analyze(path: str | Path) -> Analysis:
@@ -79,15 +69,18 @@ def analyze(path: str | Path) -> Analysis:
     geometry = A.with_transient(geometry)
     traj = A.trajectories(geometry)
     parts = []
+    tables = {}
     if geometry["intervention"].nunique() > 1:
         parts.append(causal.claims_intervention(geometry, metrics))
+    if matched.is_matched_study(geometry):  # causal v4: closed-loop arms against a sham, per layer
+        parts.append(matched.claims_matched(geometry, metrics))
+        tables["matched_dose"] = matched.dose_table(geometry)
     base = geometry[geometry["intervention"] == "none"]
     sens = pd.DataFrame(columns=A.CLAIM_COLUMNS)
-    tables = {}
     if len(base) and (base["n_layers"].nunique() > 1 or base["qk_init"].nunique() > 1 or not parts):
         parts.append(A.claims_main(base))
         sens = A.sensitivity(base)
-        tables = {"sensitivity": sens, "seed_agreement": A.seed_agreement(base), "horizon": A.horizon(base)}
+        tables |= {"sensitivity": sens, "seed_agreement": A.seed_agreement(base), "horizon": A.horizon(base)}
     if (path / FAMILY_DIR).is_dir():  # a family study: its runs' checkpoints analysed as families
         parts.append(write_family_tables(path))
     claims = pd.concat(parts, ignore_index=True)
@@ -95,12 +88,17 @@ def analyze(path: str | Path) -> Analysis:
     claims = A.apply_margin(claims, float(pre.get("margin", np.nan)))  # the pre-registered TOST margin, if any
     claims = A.numeric_columns(A.adjust_primary(claims, pre.get("primary", [])))
     tables["verdicts"] = verdicts(claims)
+    if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
+        tables["scale_check"] = claims[claims["claim"].str.contains(" - sham: (?:scale check|delivered dose)")]
     for name, df in {"summary": traj, "claims": claims, **tables}.items():
         write_table(path, name, df, parquet=True)
     per_run = A.per_run_statistics(A.window(base if len(base) else geometry, "post-transient"))
     points = causal.dose_points(geometry) if geometry["intervention"].nunique() > 1 else None
     fits = causal.dose_response(points) if points is not None else None
-    return Analysis(path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"), per_run, points, fits)
+    return Analysis(
+        path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"), per_run, points, fits,
+        tables.get("matched_dose"),
+    )  # fmt: skip
 
 
 VERDICT_WINDOWS = ("post-transient", "final", "post-transient mean", "post-transient, loss-matched")
@@ -124,6 +122,9 @@ def verdicts(claims: pd.DataFrame, select: bool = True) -> pd.DataFrame:
         ]
         # by depth band, the slopes only (the other claims per band stay in the full claims table)
         sel = sel[~sel["group"].isin(list(A.LAYER_BANDS)) | sel["claim"].str.contains("slope of")]
+        # causal v4's per-layer rows against the sham (analysis.matched)
+        per_layer = claims[(claims["verdict"] != "") & claims["claim"].str.contains(" - sham: ")]
+        sel = pd.concat([sel, per_layer[~per_layer.index.isin(sel.index)]])
         is_family = (claims["study"] == "family") & claims["claim"].str.match(r"F[1-4] ") & (claims["verdict"] != "")
         sel = pd.concat([claims[is_family], sel])  # a family study's primary claims (families/study.py) lead
     mde = pd.to_numeric(sel.get("mde_80", pd.Series(np.nan, index=sel.index)), errors="coerce")
@@ -247,6 +248,12 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
             "Achieved controlled spectrum per arm (solid), its target (dashed), the baseline none run (black).",
             plots.control_tracking(g),
         )
+        if a.matched_dose is not None and len(a.matched_dose):
+            figs["matched_dose"] = (
+                "Causal v4: attention entropy against the delivered dose (log per-head activation PR_K), each "
+                "arm minus the sham, per controlled layer (mean and 95% t-intervals over seeds; matched_dose.csv).",
+                plots.matched_dose(a.matched_dose),
+            )
         slopes = a.dose_slopes
         if slopes is not None and len(slopes) and slopes["n_arms"].min() >= 3:
             figs["dose_response"] = (

@@ -102,11 +102,14 @@ def divergence(model: torch.nn.Module) -> str | None:
     return None
 
 
-def baseline_spectra(iv: C.InterventionConfig, rd: RunDir) -> tuple[np.ndarray, np.ndarray] | None:
-    """For reference = baseline: (probe steps (n,), controlled metric (L, H, n)) of the finished `none`
+def baseline_spectra(
+    iv: C.InterventionConfig, rd: RunDir, metric: str | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """For reference = baseline: (probe steps (n,), per-head metric (L, H, n)) of the finished `none`
     run named by intervention.baseline (relative to this run's parent folder); the metric is
-    interventions.controlled_metric (weight PR, activation PR_K or logit scale)."""
-    if iv.kind in ("none", "hold") or iv.reference != "baseline":
+    interventions.controlled_metric (weight PR, activation PR_K or logit scale) unless named (the
+    closed loop's logit_row_std)."""
+    if not C.needs_baseline(iv) or (metric is None and iv.kind == "hold"):
         return None
     if not iv.baseline:
         raise TrainingError(
@@ -290,21 +293,26 @@ class _Run:
             else None
         )
         self.w_q, self.w_k = gpt_weights(self.model)  # (H, D, E) views: in-place updates keep them valid
+        iv = cfg.intervention
         self.control = I.SpectrumControl.create(
-            cfg.intervention, self.w_q, self.w_k, t.steps, baseline_spectra(cfg.intervention, rd)
-        )
+            iv, self.w_q, self.w_k, t.steps, baseline_spectra(iv, rd),
+            baseline_spectra(iv, rd, I.ROW_STD_METRIC) if iv.match_row_std else None,
+        )  # fmt: skip
         if self.control.cov is not None:  # the running input covariance, fed by the training forwards
             for li, block in enumerate(self.model.blocks):
                 block.hook_attn_in.register_forward_hook(self.control.cov.hook(li))
         if cfg.intervention.instant:  # the zero-training complement, built on the run's initial weights
             w_q0, w_k0 = gpt_weights(GPT(m, corpus.vocab.size, seed=t.seed))
-            self.instant = I.instant_controls(cfg.intervention.instant, w_q0, w_k0, t.steps)
+            self.instant = I.instant_controls(iv.instant, w_q0, w_k0, t.steps, iv.layers, iv.floor)
         else:
             self.instant = []
         n_probe = C.probe_n_seqs(cfg)
         offsets = fixed_offsets(len(self.valid_data), m.n_ctx, n_probe)
         self.probe_idx = torch.from_numpy(gather(self.valid_data, offsets, m.n_ctx)[0]).to(self.device)
         self.schedule = set(probe_steps(t.steps, cfg.probe.every, cfg.probe.log_early))
+        if iv.match_row_std:  # the closed loop reads the scale where the probe reads it (interventions.py)
+            ref_idx = self.probe_idx[: I.ROW_STD_SEQS]
+            self.control.row_std_inputs = I.CachedInputs(self.model, ref_idx, self.schedule)
         self.kept = set(C.kept_steps(t))  # checkpoints kept beside last.pt
         self.tokens_per_step = t.batch_size * m.n_ctx
         self.loss_ceiling = DIVERGED_LOSS_FACTOR * math.log(corpus.vocab.size)
@@ -402,7 +410,9 @@ class _Run:
         """The zero-training complement at this probe, relative to this run's own probe values."""
         n_layers, n_heads = len(self.w_k), self.w_k[0].shape[0]
         current = {}
-        for metric in {I.controlled_metric(ctl.cfg) for _, ctl in self.instant}:
+        needed = {I.controlled_metric(ctl.cfg) for _, ctl in self.instant}
+        needed |= {I.ROW_STD_METRIC for _, ctl in self.instant if ctl.cfg.match_row_std}
+        for metric in needed:
             table = torch.full((n_layers, n_heads), float("nan"), dtype=torch.float64)
             for r in rows:
                 if r["metric"] == metric and r["head"] >= 0 and r["site"] == "none":

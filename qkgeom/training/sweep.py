@@ -153,8 +153,7 @@ def expand(spec: SweepSpec) -> list[RunSpec]:
 def _with_baseline(spec: SweepSpec, r: RunSpec, runs: list[RunSpec]) -> RunSpec:
     """A contract/expand run relative to its baseline gets intervention.baseline = the run id of the
     `none` run with the same overrides outside [intervention] (same seeds, same model)."""
-    iv = r.config.intervention
-    if iv.kind in ("none", "hold") or iv.reference != "baseline" or iv.baseline:
+    if not C.needs_baseline(r.config.intervention) or r.config.intervention.baseline:
         return r
 
     def outside(x: RunSpec) -> dict:

@@ -1,0 +1,213 @@
+"""Causal v4: key-spectrum arms at a closed-loop matched logit scale, read against a sham arm, per layer.
+
+A v4 study (configs/study-causal-v4-cpu.toml) has, per seed: the uncontrolled `none` run; a **sham**
+arm (SHAM: the shape control at ratio 1 through the same projection and the same closed-loop rescaling,
+intervention.match_row_std); dose arms (`shape:activation:<r>:closed`, r < 1 restricts the key
+spectrum, r > 1 widens it); `hold:key:closed` (the initial dispersion of W_K at the none run's
+per-row logit std); and a temperature arm (the scale calibration, read against none by causal.py).
+
+Every contrast is arm - sham, paired by seed, **per controlled layer** (a pooled mean let opposite
+layers cancel in causal-shape-cpu), over one window per seed (from its none run's transient end):
+
+1. **Scale check**: log(arm / sham) of the per-row logit std (logit_row_std, the statistic the closed
+   loop holds); `scale matched` only if its 90% t-interval lies inside +-log 1.05 (TOST).
+2. **Delivered dose**: log(arm / sham) of the per-head activation PR_K (the PR the control steers,
+   averaged over the layer's heads); `manipulation ok` only if its 95% interval lies on the intended
+   side (restrict down, widen up, hold up).
+3. **Outcome**: arm - sham of the layer's mean attention entropy (nats), with the paper's predicted
+   sign (restricting sharpens: -, widening and holding soften: +), read only where 1 and 2 pass in
+   that layer; otherwise its numbers stay, its verdict names the failed check.
+
+Reported beside them: none - sham (what being under the control does), and per arm the zero-training
+complement (its map on the none runs' own weights) against the learned effect.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from qkgeom.analysis import stats
+from qkgeom.analysis.causal import (
+    SCALE_MARGIN,
+    parse_arm,
+    seed_window_note,
+    with_seed_window,
+)
+from qkgeom.analysis.claims import _finish, seed_row, window
+from qkgeom.analysis.runs import INSTANT_METRIC
+
+SHAM = "shape:activation:1:closed"  # the sham arm's label (analysis.runs.arm_label)
+ROW_STD_TARGET = "logit_row_std_target"  # logged by the closed loop for its controlled heads
+
+
+def is_matched_study(df: pd.DataFrame) -> bool:
+    """Whether `df` holds a v4 study: a sham arm beside other closed-loop arms."""
+    return SHAM in set(df["intervention"].unique())
+
+
+def controlled_layers(df: pd.DataFrame) -> list[int]:
+    """The layers the sham arm's closed loop controlled (those with logged row-std targets)."""
+    t = df[(df["intervention"] == SHAM) & (df["metric"] == ROW_STD_TARGET)]
+    return sorted(int(x) for x in t["layer"].unique())
+
+
+def dose_arms(df: pd.DataFrame) -> list[str]:
+    """The closed-loop arms read against the sham: every `:closed` arm but the sham, sorted."""
+    return sorted(a for a in df["intervention"].unique() if a.endswith(":closed") and a != SHAM)
+
+
+def predicted_signs(arm: str) -> tuple[int, int]:
+    """(intended sign of the arm's dose on per-head activation PR_K vs sham, predicted sign of its
+    attention-entropy change): restricting (ratio < 1) lowers both, widening (> 1) and holding the
+    initial dispersion raise both (the paper's directions)."""
+    kind, _, ratio = parse_arm(arm)
+    s = -1 if kind == "shape" and ratio < 1 else +1
+    return s, s
+
+
+def layer_means(df: pd.DataFrame, metric: str) -> pd.Series:
+    """Per (intervention, seed, layer): the window mean of the mean over the layer's heads of `metric`."""
+    rows = window(df[(df["metric"] == metric) & (df["head"] >= 0) & (df["site"] == "none")], "post-transient")
+    per_step = rows.groupby(["intervention", "seed", "layer", "step"])["value"].mean()
+    return per_step.groupby(["intervention", "seed", "layer"]).mean()
+
+
+def paired(values: pd.Series, arm: str, ref: str, layer: int, log: bool = False) -> pd.Series:
+    """Per seed: arm - ref (or log(arm / ref)) at one layer of a Series indexed (intervention, seed, layer)."""
+    v = np.log(values) if log else values
+    wide = v.xs(layer, level="layer").unstack("intervention")
+    if arm not in wide or ref not in wide:
+        return pd.Series(dtype=float)
+    return (wide[arm] - wide[ref]).dropna()
+
+
+def _row(v: pd.Series, claim: str, layer: int | str, sign: int | None, note: str, **kw) -> dict:
+    x = v.to_numpy()
+    detail = f"per-seed values {np.round(x, 4).tolist()}"
+    if sign is not None:
+        _, _, p_sign = stats.sign_test(x, sign)
+        detail = f"sign test p = {p_sign:.3g}; {detail}"
+    group = f"layer={int(layer)}" if isinstance(layer, (int, np.integer)) else layer
+    row = seed_row(x, study="intervention", claim=claim, group=group, window="post-transient", sign=sign, note=note,
+                   detail=detail, **kw)  # fmt: skip
+    row["interval"] = "95% t over seeds (paired)"
+    return row
+
+
+def scale_check(std: pd.Series, arm: str, layer: int, note: str) -> dict | None:
+    """log(arm / sham) of the per-row logit std at one layer: `scale matched` if its 90% interval lies
+    inside +-log 1.05 (TOST), else `scale not matched`."""
+    v = paired(std, arm, SHAM, layer, log=True)
+    if v.empty:
+        return None
+    lo, hi, ok = stats.tost(v.to_numpy(), SCALE_MARGIN)
+    row = _row(v, f"{arm} - sham: scale check, log per-row logit std (TOST +-5%)", layer, None, note)
+    row.update(
+        verdict="scale matched" if ok else "scale not matched",
+        margin=SCALE_MARGIN,
+        detail=f"90% CI [{lo:.4f}, {hi:.4f}] vs +-{SCALE_MARGIN:.4f}; " + row["detail"],
+    )
+    return row
+
+
+def dose_check(pr: pd.Series, arm: str, layer: int, note: str) -> dict | None:
+    """The delivered dose at one layer: log(arm / sham) of the per-head activation PR_K, judged on its
+    intended side (`manipulation ok` / `manipulation failed`)."""
+    v = paired(pr, arm, SHAM, layer, log=True)
+    if v.empty:
+        return None
+    sign, _ = predicted_signs(arm)
+    kind, _, ratio = parse_arm(arm)
+    assigned = f" (assigned {np.log(ratio):+.3f})" if kind == "shape" else ""
+    row = _row(v, f"{arm} - sham: delivered dose, log per-head activation PR_K{assigned}", layer, sign, note)
+    row["verdict"] = "manipulation ok" if row["verdict"] == "holds" else "manipulation failed"
+    return row
+
+
+def claims_matched(df: pd.DataFrame, metrics: pd.DataFrame | None = None) -> pd.DataFrame:
+    """The v4 rows (module docstring): per arm and controlled layer the scale check, the delivered dose
+    and the entropy contrast vs sham (verdict only where both checks pass); none - sham per layer; the
+    uncontrolled layers' entropy and row std vs sham (where the model may move what the control holds);
+    the zero-training complement against the learned effect (mean over the controlled layers); the
+    final validation loss vs sham (with `metrics`)."""
+    df = with_seed_window(df)
+    note = seed_window_note(df)
+    layers = controlled_layers(df)
+    free = sorted(set(df.loc[df["head"] >= 0, "layer"].unique()) - set(layers))
+    std, pr = layer_means(df, "logit_row_std"), layer_means(df, "key_participation_ratio")
+    ent = layer_means(df, "attention_entropy")
+    rows: list[dict] = []
+    for arm in dose_arms(df):
+        _, sign = predicted_signs(arm)
+        for layer in layers:
+            checks = [r for r in (scale_check(std, arm, layer, note), dose_check(pr, arm, layer, note)) if r]
+            rows += checks
+            failed = [r["verdict"] for r in checks if r["verdict"] in ("scale not matched", "manipulation failed")]
+            v = paired(ent, arm, SHAM, layer)
+            if v.empty:
+                continue
+            kw = {"verdict": failed[0]} if failed or len(checks) < 2 else {}
+            rows.append(_row(v, f"{arm} - sham: attention entropy (nats)", layer, sign, note, **kw))
+    for layer in layers:
+        v = paired(ent, "none", SHAM, layer)
+        if not v.empty:
+            rows.append(_row(v, "none - sham: attention entropy (nats), being under the control", layer, None, note))
+    for arm in [*dose_arms(df), "none"]:
+        for layer in free:
+            for what, v in (
+                ("attention entropy (nats), uncontrolled layer", paired(ent, arm, SHAM, layer)),
+                ("log per-row logit std, uncontrolled layer", paired(std, arm, SHAM, layer, log=True)),
+            ):
+                if not v.empty:
+                    rows.append(_row(v, f"{arm} - sham: {what}", layer, None, note))
+    rows += instant_vs_learned(df, ent, layers, note)
+    if metrics is not None and len(metrics):
+        val = metrics[metrics["split"] == "valid"]
+        final = val[val["step"] == val["steps"]].groupby(["intervention", "seed"])["loss"].mean()
+        for arm in [*dose_arms(df), "none"]:
+            wide = final.unstack("intervention")
+            if arm in wide and SHAM in wide:
+                v = (wide[arm] - wide[SHAM]).dropna()
+                rows.append(_row(v, f"{arm} - sham: final validation loss (nats/char)", "final", None, note))
+    return _finish(rows)
+
+
+def instant_vs_learned(df: pd.DataFrame, ent: pd.Series, layers: list[int], note: str) -> list[dict]:
+    """Per closed-loop arm: its map's instantaneous entropy change on the none runs' own weights minus the
+    sham map's (no training), and the learned effect = (arm - sham, trained) - that; means over the
+    controlled layers, per seed."""
+    inst = df[(df["metric"] == INSTANT_METRIC) & (df["head"] == -1) & (df["intervention"] == "none")]
+    inst = window(inst[inst["layer"].isin(layers)], "post-transient")
+    if inst.empty or SHAM not in set(inst["site"]):
+        return []
+    change = inst.groupby(["site", "seed"])["value"].mean().unstack("site")
+    rows = []
+    for arm in dose_arms(df):
+        if arm not in change:
+            continue
+        instant = (change[arm] - change[SHAM]).dropna()
+        rows.append(_row(instant, f"{arm} - sham: instantaneous entropy change of its map (no training)",
+                         "mean over controlled layers", None, note))  # fmt: skip
+        trained = pd.concat([paired(ent, arm, SHAM, la) for la in layers], axis=1).mean(axis=1)
+        learned = (trained - instant).dropna()
+        rows.append(_row(learned, f"{arm} - sham: learned effect (trained - instantaneous), attention entropy",
+                         "mean over controlled layers", None, note))  # fmt: skip
+    return rows
+
+
+def dose_table(df: pd.DataFrame) -> pd.DataFrame:
+    """What the v4 figure draws, per (layer, arm): the delivered dose (mean log per-head PR_K vs sham) and
+    the entropy contrast vs sham, each with its 95% t-interval over seeds (the sham at 0, 0)."""
+    df = with_seed_window(df)
+    pr, ent = layer_means(df, "key_participation_ratio"), layer_means(df, "attention_entropy")
+    out = []
+    for layer in controlled_layers(df):
+        for arm in [SHAM, *dose_arms(df), "none"]:
+            d, e = paired(pr, arm, SHAM, layer, log=True), paired(ent, arm, SHAM, layer)
+            if d.empty or e.empty:
+                continue
+            (d_lo, d_hi), (e_lo, e_hi) = stats.t_mean_ci(d.to_numpy()), stats.t_mean_ci(e.to_numpy())
+            out.append({"layer": layer, "arm": arm, "n": len(e), "dose": d.mean(), "dose_low": d_lo, "dose_high": d_hi,
+                        "entropy": e.mean(), "entropy_low": e_lo, "entropy_high": e_hi})  # fmt: skip
+    return pd.DataFrame(out)
