@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import html
 import io
+import sys
 from pathlib import Path
 
 import pandas as pd
@@ -32,10 +33,13 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
     """Tables (revisions.csv, trends.csv, family.parquet: the tidy dataset) and report/index.html of a
     checkpoint family.
     early_max_step: the early window's end; by default the one the family was analysed with."""
-    from qkgeom.families.revisions import family_dataset, family_trends, load_family
+    from qkgeom.families.revisions import family_dataset, family_trends, left_out_revisions, load_family
 
     path = Path(path)
     geometry, revs = load_family(path)
+    left_out = left_out_revisions(path)
+    for why in left_out:
+        print(f"warning: revision left out of {path.name}: {why}", file=sys.stderr)
     if early_max_step is None:
         first = next(d for d in sorted(path.iterdir()) if RunDir(d).is_done())
         early_max_step = read_json(RunDir(first).config).get("pretrained_config", {}).get("early_max_step", 1000)
@@ -73,6 +77,7 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
     layer_values = geometry[geometry["head"] == -1].pivot_table(
         index=["revision", "site", "layer"], columns="metric", values="value"
     )
+    parts += [f"<p class='warn'>left out: {html.escape(why)}</p>" for why in left_out]
     parts += [
         "<h2>Trend statistics</h2>",
         trends.to_html(index=False, float_format=lambda v: f"{v:.4g}"),
