@@ -46,3 +46,15 @@ def _toml(v) -> str:
     if isinstance(v, (list, tuple)):
         return "[" + ", ".join(_toml(x) for x in v) + "]"
     return repr(v)
+
+
+def need(module: str):
+    """Import an optional extra's module: a clean skip where it is absent, a failure under CI (which
+    installs every extra, so that no test is skipped there)."""
+    try:
+        return __import__(module)
+    except ImportError:
+        msg = f"{module} is not installed (an optional extra; pip install -e '.[dev]')"
+        if os.environ.get("CI"):
+            pytest.fail(msg)
+        pytest.skip(msg)

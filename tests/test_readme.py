@@ -22,6 +22,7 @@ def test_readme_block_runs_verbatim(code, tmp_path, monkeypatch, request):
     if "load_corpus" in code:
         request.getfixturevalue("wikitext")  # the block reads WikiText-2: a skip without it, a failure under CI
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")  # what a block sets is undone after it
     namespace: dict = {}
     exec(compile(code, "README.md", "exec"), namespace)
     rows = namespace["rows"]

@@ -4,7 +4,9 @@ probe schedule, into a run folder that `qkgeom analyze` and `qkgeom report` read
     trainer = L.Trainer(max_steps=..., callbacks=[QKGeometryCallback(batch, "runs/mine/seed0")])
 
 The LightningModule is searched for the model to read (itself, or the first sub-module that is a
-qkgeom GPT or a supported Hugging Face model). Only global rank zero probes. The step is
+qkgeom GPT or a supported Hugging Face model). Only global rank zero probes. The layer-mean scalars
+(`qkgeom/PR_Q`, ...) go through every configured logger (trainer.loggers: TensorBoard, MLflow, W&B,
+CSV, ...) at the global step. The step is
 trainer.global_step (optimiser steps; with gradient accumulation a step is probed once).
 """
 
@@ -20,6 +22,7 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("the Lightning callback needs lightning: pip install 'qkgeom[lightning]'") from e
 
+from qkgeom.integrations.trackers import lightning_sinks
 from qkgeom.probing.tracking import Probe
 
 
@@ -50,7 +53,7 @@ class QKGeometryCallback(Callback):
         if not trainer.is_global_zero:
             return
         steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        kw = {"seed": self.seed, "steps": steps} | self.probe_kwargs
+        kw = {"seed": self.seed, "steps": steps, "sinks": lightning_sinks(trainer.loggers)} | self.probe_kwargs
         self.probe = Probe(pl_module, self.batch, self.every, self.out, resume=trainer.global_step > 0, **kw)
         self.probe(trainer.global_step, self._tokens(trainer))
 
@@ -60,7 +63,10 @@ class QKGeometryCallback(Callback):
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
             self.probe.log_metrics(trainer.global_step, float(loss), "train", self._tokens(trainer))
-        self.probe(trainer.global_step, self._tokens(trainer))
+        last = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step
+        self.probe(
+            trainer.global_step, self._tokens(trainer), force=last and trainer.global_step > self.probe.last_step
+        )
 
     def on_validation_epoch_end(self, trainer, pl_module):
         value = trainer.callback_metrics.get(self.val_loss_key)

@@ -4,13 +4,17 @@ qkgeom's probe schedule, into a run folder that `qkgeom analyze` and `qkgeom rep
     trainer = Trainer(model, args, train_dataset=..., callbacks=[QKGeometryCallback(batch, "runs/mine/seed0")])
 
 Only the main process probes (state.is_world_process_zero). Losses the Trainer logs (loss,
-eval_loss) go to the folder's metrics.jsonl for the report's curves. `trainer.train(
+eval_loss) go to the folder's metrics.jsonl for the report's curves. The layer-mean scalars
+(`qkgeom/PR_Q`, ...) go to every tracker `report_to` names (MLflow, W&B, TensorBoard:
+qkgeom.integrations.trackers), at the probe's step; the last step is probed before the trackers
+close their runs. `trainer.train(
 resume_from_checkpoint=...)` continues the run folder: probes after the checkpoint's step are
 redone. After a train() that raised, pass the same callback again (it releases the folder first).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ try:
 except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("the Trainer callback needs accelerate: pip install 'qkgeom[transformers]'") from e
 
+from qkgeom.integrations.trackers import trainer_sinks
 from qkgeom.probing.tracking import Probe
 
 
@@ -41,6 +46,7 @@ class QKGeometryCallback(TrainerCallback):
         self.batch, self.out, self.every = batch, out, every
         self.tokens_per_step, self.probe_kwargs = tokens_per_step, probe_kwargs
         self.probe: Probe | None = None
+        self.started = time.time()  # the TensorBoardCallback makes its folder after this (trackers.tensorboard_dir)
 
     def _tokens(self, state) -> int | None:
         if self.tokens_per_step:
@@ -52,13 +58,18 @@ class QKGeometryCallback(TrainerCallback):
             return
         if self.probe is not None:  # an earlier train() of this callback raised: release its folder
             self.probe.close()
-        kw = {"seed": args.seed, "data_seed": args.data_seed, "steps": state.max_steps or None} | self.probe_kwargs
-        self.probe = Probe(model, self.batch, self.every, self.out, resume=state.global_step > 0, **kw)
+        sinks, _ = trainer_sinks(args, self.started)
+        kw = {"seed": args.seed, "data_seed": args.data_seed, "steps": state.max_steps or None, "sinks": sinks}
+        self.probe = Probe(
+            model, self.batch, self.every, self.out, resume=state.global_step > 0, **kw | self.probe_kwargs
+        )
         self.probe(state.global_step, self._tokens(state))
 
     def on_step_end(self, args, state, control, **kwargs):
-        if self.probe is not None:
-            self.probe(state.global_step, self._tokens(state))
+        if self.probe is not None:  # the last step now, while the trackers' runs are open (they close at train end)
+            last = bool(state.max_steps) and state.global_step >= state.max_steps
+            force = last and state.global_step > self.probe.last_step
+            self.probe(state.global_step, self._tokens(state), force=force)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if self.probe is None or not logs:

@@ -24,6 +24,8 @@ SCALARS = {
     "participation_ratio_contrast": "PR_Q - PR_K",
     "attention_entropy": "attention entropy (nats)",
     "interaction_rank": "interaction rank",
+    "query_weight_alpha": "alpha of W_Q",
+    "key_weight_alpha": "alpha of W_K",
 }
 
 

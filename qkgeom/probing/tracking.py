@@ -21,18 +21,18 @@ import contextlib
 import hashlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from qkgeom.config import PR_CONVENTIONS
+from qkgeom.config import ConfigError, Conventions
 from qkgeom.errors import QKGeomError
 from qkgeom.probing import archs
 from qkgeom.probing.probe import nonfinite_weights
-from qkgeom.probing.scalars import TensorBoardLog
+from qkgeom.probing.scalars import TensorBoardLog, layer_means
 from qkgeom.results import RunDir, folder_lock, provenance, read_json, write_json
 
 
@@ -132,10 +132,12 @@ class Probe:
 
     steps: the run's length if known (recorded; `finish` takes the final one). seed, data_seed:
     the run's seeds, as analyze groups runs by them. logit_max_seqs: sequences of the batch whose
-    T x T logit spectrum is taken (0 = all). pr_convention: `variance` or `singular` PRs (every PR row's
-    note names it). tensorboard: a log dir for the layer-mean scalars
-    (qkgeom.probing.scalars). resume: continue a folder an interrupted run left (probes after the first
-    step probed again are replaced); without it such a folder is refused. capture: for any other
+    T x T logit spectrum is taken (0 = all). pr_convention: `variance` or `singular` PRs;
+    alpha_convention: `weightwatcher` or `clauset` alphas (every such row's note names its convention).
+    tensorboard: a log dir for the layer-mean scalars (qkgeom.probing.scalars); sinks: (name, fn(step,
+    scalars) -> sent) for the host's own trackers (qkgeom.integrations.trackers; sends counted in
+    done.json). resume: continue a folder an interrupted run left (probes after the first step probed
+    again are replaced); without it such a folder is refused. capture: for any other
     model, a function (model, batch) -> {"q", "k", optional "pattern", "w_q", "w_k", "causal"} with
     the shapes of qkgeom.measure (e.g. read with forward hooks); it runs under no_grad in eval mode.
     The folder is locked from here to `finish`/`close`: a second process on it is refused."""
@@ -156,13 +158,16 @@ class Probe:
         tensorboard: str | Path | None = None,
         resume: bool = False,
         capture: Capture | None = None,
+        sinks: Sequence[tuple[str, Callable[[int, dict[str, float]], bool]]] = (),
         pr_convention: str = "variance",
+        alpha_convention: str = "weightwatcher",
     ) -> None:
         if every < 1:
             raise ProbeError(f"every must be a positive number of steps, got {every}")
-        if pr_convention not in PR_CONVENTIONS:
-            raise ProbeError(f"pr_convention must be one of {PR_CONVENTIONS}, got {pr_convention!r}")
-        self.pr_convention = pr_convention
+        try:
+            self.conventions = Conventions(pr_convention, alpha_convention)
+        except ConfigError as e:
+            raise ProbeError(str(e)) from None
         self.capture = capture
         self.model = _unwrap(model) if capture else readable(model)
         self.kind = "capture" if capture else _kind(self.model)
@@ -170,6 +175,8 @@ class Probe:
         self.logit_max_seqs, self.steps, self.last_step = logit_max_seqs, steps, -1
         self.rd = RunDir(out)
         self.tb = TensorBoardLog(tensorboard) if tensorboard else None  # a missing package: refused before the lock
+        self.sinks = list(sinks)  # the host's trackers (integrations.trackers): the layer-mean scalars per probe
+        self.sent = {name: 0 for name, _ in self.sinks}
         self.info = self._run_info(name, seed, data_seed)
         self._lock = contextlib.ExitStack()
         self._lock.enter_context(folder_lock(self.rd.path))  # also creates the folder
@@ -288,6 +295,10 @@ class Probe:
         self.rd.append_probe(step, rows, spectra)
         if self.tb is not None:
             self.tb.write(step, rows)
+        if self.sinks:
+            means = layer_means(rows)
+            for name, send in self.sinks:
+                self.sent[name] += bool(send(step, means))
         self.last_step = max(self.last_step, step)
         self.probe_seconds += time.perf_counter() - tic
         return True
@@ -369,7 +380,8 @@ class Probe:
                 "elapsed": time.perf_counter() - self.t0,
                 "probe_seconds": self.probe_seconds,
                 "final_valid_loss": final_valid_loss,
-            },
+            }
+            | ({"scalars_sent": self.sent} if self.sinks else {}),
         )
         self.close()
         return self.rd.path
