@@ -141,6 +141,21 @@ def _groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     return out
 
 
+PARAMETRIC_ONLY = " (parametric only)"
+
+
+def n_aware(verdict: str, p_floor: float) -> str:
+    """A holds / fails verdict whose n cannot reach p < 0.05 without a distributional assumption (the
+    exact sign-flip floor 2 / 2^n >= 0.05, n <= 5) reads `holds (parametric only)`: it rests on the
+    t-test's normality alone (at n = 4, a skewed per-seed distribution gives the t-interval 82-88%
+    coverage, not 95%)."""
+    try:
+        floor = float(p_floor)
+    except (TypeError, ValueError):
+        return verdict
+    return verdict + PARAMETRIC_ONLY if verdict in ("holds", "fails") and floor >= 0.05 else verdict
+
+
 def claim_row(
     *,
     study: str,

@@ -134,6 +134,9 @@ def verdicts(claims: pd.DataFrame, select: bool = True) -> pd.DataFrame:
     ]
     p_raw = pd.to_numeric(sel["p_value"], errors="coerce")
     p_holm = pd.to_numeric(sel["p_holm"], errors="coerce") if "p_holm" in sel else pd.Series(np.nan, index=sel.index)
+    nan = pd.Series(np.nan, index=sel.index)
+    p_flip = pd.to_numeric(sel["p_sign_flip"], errors="coerce") if "p_sign_flip" in sel else nan
+    p_floor = pd.to_numeric(sel["p_floor"], errors="coerce") if "p_floor" in sel else nan
     return pd.DataFrame(
         {
             "claim": sel["claim"],
@@ -144,9 +147,10 @@ def verdicts(claims: pd.DataFrame, select: bool = True) -> pd.DataFrame:
             "seeds agreeing": sel["seeds_agreeing"],
             "mde_80": mde.map(_fmt),
             "window": sel["window"],
-            "verdict": sel["verdict"],
+            "verdict": [A.n_aware(v, f) for v, f in zip(sel["verdict"], p_floor, strict=True)],
             "primary": sel["primary"] if "primary" in sel else "",
             "p": p_raw.map(_fmt),
+            "p (exact sign-flip)": p_flip.map(_fmt),
             "p (Holm, primary)": p_holm.map(_fmt),
             "reading": sel["reading"] if "reading" in sel else "",
         }
@@ -168,7 +172,7 @@ def verdicts_html(table: pd.DataFrame) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in table.columns)
     body = []
     for row in table.itertuples(index=False):
-        colour = VERDICT_COLOURS.get(row.verdict, "#fff")
+        colour = VERDICT_COLOURS.get(row.verdict.removesuffix(A.PARAMETRIC_ONLY), "#fff")
         cells = "".join(f"<td>{html.escape(str(v))}</td>" for v in row)
         body.append(f"<tr style='background:{colour}'>{cells}</tr>")
     return f"<table class='verdicts'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
@@ -613,11 +617,29 @@ def _committed_claims(path: Path) -> pd.DataFrame:
     return claims
 
 
+def current_claims(d: Path) -> pd.DataFrame:
+    """A committed study's claims as its current statistics give them: claims.csv, with the rows of its
+    newest re-derived table of primaries (`*claims_v<N>.csv`, N >= 2, e.g. family-cpu's v2 Fisher-z
+    rows re-derived from its per-seed table) in place of the rows of the same claim."""
+    claims = _committed_claims(d / "claims.csv")
+    newer = sorted(
+        (f for f in d.glob("*claims_v*.csv") if re.search(r"_v(\d+)\.csv$", f.name)),
+        key=lambda f: int(re.search(r"_v(\d+)\.csv$", f.name).group(1)),
+    )
+    newer = [f for f in newer if int(re.search(r"_v(\d+)\.csv$", f.name).group(1)) >= 2]
+    if newer:
+        v2 = _committed_claims(newer[-1])
+        claims = pd.concat([v2, claims[~claims["claim"].isin(set(v2["claim"]))]], ignore_index=True)
+    return claims
+
+
 def verdicts_index(root: str | Path) -> str:
-    """docs/results/VERDICTS.md: every pre-registered primary row of every committed study, with its
-    raw p (as its claims.csv has it), the exact sign-flip p from its committed per-seed values (and
-    the smallest p its n can reach), Holm over the study's primary family, and Holm over every
-    study's primary rows together (the project's whole confirmatory family)."""
+    """docs/results/VERDICTS.md: every pre-registered primary row of every committed study under its
+    current statistics (current_claims), with its raw p, the exact sign-flip p from its per-seed values
+    (and the smallest p its n can reach), its n-aware verdict (analysis.claims.n_aware), Holm over the
+    study's primary family (the error control) and, descriptively, over every study's primary rows
+    together; whether the row re-derives from committed per-run records. A pre-registered primary that
+    matches no row is an error (a reworded claim would otherwise leave its Holm family in silence)."""
     root = Path(root)
     found = []
     amended = []
@@ -627,36 +649,45 @@ def verdicts_index(root: str | Path) -> str:
             continue
         check_records(d)  # records judged under another pre-registration, or bent: refused
         amended += [(d.name, v) for v in registered_versions(d)]
-        claims = _committed_claims(d / "claims.csv")
-        claims = A.adjust_primary(claims, spec)
+        claims = A.adjust_primary(current_claims(d), spec)
         for spec_row in spec:
-            for r in claims[claims["primary"] == spec_row["id"]].itertuples(index=False):
-                found.append((d.name, spec_row["id"], r))
-    p_all = A.stats.holm(np.array([float(r.p_value) for _, _, r in found]))
+            rows = claims[claims["primary"] == spec_row["id"]]
+            if rows.empty:
+                raise A.AnalysisError(
+                    f"{d.name}: pre-registered primary {spec_row['id']} ({spec_row['claim']!r}) matches no row "
+                    "of its claims.csv"
+                )
+            for r in rows.itertuples(index=False):
+                found.append((d.name, spec_row["id"], r, (d / RECORDS_DIR).is_dir()))
+    p_all = A.stats.holm(np.array([float(r.p_value) for _, _, r, _ in found]))
     lines = [
         "# Pre-registered primary rows of every committed study",
         "",
-        "Written by `qkgeom verdicts docs/results` from each study's committed claims.csv and the primary",
-        "family its pre-registration names (`[analysis] primary`). p: the row's own test as committed (t-test",
-        "over seeds; the causal rows' sign test). p (sign-flip): exact, from the committed per-seed values;",
-        "floor: the smallest p n seeds can reach. Holm (study): over the study's primary family; Holm (all):",
-        "over every study's primary rows together. A holds/fails verdict whose Holm p is >= 0.05 does not",
-        "survive that correction.",
+        "Written by `qkgeom verdicts docs/results` from each study's committed claims (its current statistics:",
+        "claims.csv, or a re-derived table of its primaries such as family-cpu's family_claims_v2.csv) and the",
+        "primary family its pre-registration names (`[analysis] primary`). p: the row's own test as committed",
+        "(t-test over seeds; the causal rows' sign test). p (sign-flip): exact, from the committed per-seed",
+        "values; floor: the smallest p n seeds can reach. A verdict whose floor is >= 0.05 (n <= 5) reads",
+        "`(parametric only)`: no distribution-free test at that n can reach 0.05, so it rests on normality.",
+        "Holm (study), over the study's primary family, is the error control: a holds/fails verdict whose",
+        "Holm p is >= 0.05 does not survive it. Holm (all studies) is descriptive and moves as studies are",
+        "added. records: whether the row re-derives from committed per-run records (tests/test_records.py).",
         "",
         "| study | id | claim | group | window | measured [95% CI] | n | verdict | p | p (sign-flip) | floor "
-        "| p (Holm, study) | p (Holm, all) | survives Holm (study / all) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| p (Holm, study) | survives Holm (study) | p (Holm, all studies; descriptive) | records |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (study, cid, r), p_a in zip(found, p_all, strict=True):
+    for (study, cid, r, recorded), p_a in zip(found, p_all, strict=True):
         ci = f" [{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]" if pd.notna(r.ci_low) else ""
         seeds = re.search(r"per-seed (?:[a-z]+ )?\[([^\]]*)\]", str(r.detail))
         v = np.array([float(x) for x in seeds.group(1).split(",")]) if seeds else np.array([])
         flip, floor = A.stats.sign_flip_p(v) if len(v) else (np.nan, np.nan)
         judged = r.verdict in ("holds", "fails")
-        survives = "" if not judged else f"{'yes' if r.p_holm < 0.05 else 'no'} / {'yes' if p_a < 0.05 else 'no'}"
+        survives = ("yes" if r.p_holm < 0.05 else "no") if judged else ""
         lines.append(
-            f"| {study} | {cid} | {r.claim} | {r.group} | {r.window} | {_fmt(r.value)}{ci} | {r.n} | {r.verdict} | "
-            f"{_fmt(r.p_value)} | {_fmt(flip)} | {_fmt(floor)} | {_fmt(r.p_holm)} | {_fmt(p_a)} | {survives} |"
+            f"| {study} | {cid} | {r.claim} | {r.group} | {r.window} | {_fmt(r.value)}{ci} | {r.n} | "
+            f"{A.n_aware(r.verdict, floor)} | {_fmt(r.p_value)} | {_fmt(flip)} | {_fmt(floor)} | {_fmt(r.p_holm)} | "
+            f"{survives} | {_fmt(p_a)} | {'yes' if recorded else 'not re-derivable'} |"
         )
     if amended:  # a pre-registration amended after its records: every registered version, oldest first
         lines += [
