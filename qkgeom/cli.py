@@ -84,6 +84,7 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    """`qkgeom train`: one run (or its resume) into a run folder."""
     from qkgeom.training.loop import train
 
     cfg = C.load(args.config, args.overrides)
@@ -195,6 +196,7 @@ def _records_eta(runs, recorded: set[str], records: Path) -> str:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
+    """`qkgeom sweep`: a grid of runs; exit 1 if any run failed."""
     _, _, res = _sweep(args)
     return 1 if res is not None and res.failed else 0
 
@@ -221,30 +223,39 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
 
 
 def _analyze(path: str | Path):
-    """Analyse a folder of runs, printing one warning line per skipped run."""
-    from qkgeom.report.study import analyze
+    """Analyse a folder of runs (with a family study's trends), printing one warning line per skipped run."""
+    from qkgeom.families.study import analyze_study
 
-    a = analyze(path)
+    a = analyze_study(path)
     for msg in a.skipped:
         print(f"warning: {msg}", file=sys.stderr)
     return a
 
 
-def _ladder(path: str | Path) -> bool:
-    """A token ladder is analysed by analysis.ladder (report.study.analyze_ladder); print its verdicts."""
+def _ladder(path: str | Path, report: bool = False) -> bool:
+    """A token ladder is analysed by analysis.ladder (analysis.study.ladder_tables, and with `report` its
+    page, report.study.write_ladder_report); print its verdicts."""
     from qkgeom.analysis.runs import is_ladder
-    from qkgeom.report.study import analyze_ladder, format_verdict_table, verdicts_ladder
+    from qkgeom.analysis.study import format_verdict_table, ladder_tables
 
     if not is_ladder(path):
         return False
-    claims, page = analyze_ladder(path)
-    print(format_verdict_table(verdicts_ladder(claims)))
-    print(f"\nwrote {Path(path) / 'claims.csv'}, {Path(path) / 'verdicts.csv'}; report: {page}")
+    if report:
+        from qkgeom.report.study import write_ladder_report
+
+        _, table, page = write_ladder_report(path)
+    else:
+        _, table, _, _ = ladder_tables(path)
+    print(format_verdict_table(table))
+    print(
+        f"\nwrote {Path(path) / 'claims.csv'}, {Path(path) / 'verdicts.csv'}" + (f"; report: {page}" if report else "")
+    )
     return True
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from qkgeom.report.study import format_claims
+    """`qkgeom analyze`: the judged tables of a folder of runs (no report code is imported)."""
+    from qkgeom.analysis.study import format_claims
 
     if _ladder(args.dir):
         return 0
@@ -259,7 +270,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 
 def cmd_verdicts(args: argparse.Namespace) -> int:
-    from qkgeom.report.study import verdicts_index
+    """`qkgeom verdicts`: DIR/VERDICTS.md from every committed study's primaries."""
+    from qkgeom.analysis.verdict_index import verdicts_index
     from qkgeom.results import atomic_write_bytes
 
     text = verdicts_index(args.dir)
@@ -269,6 +281,7 @@ def cmd_verdicts(args: argparse.Namespace) -> int:
 
 
 def cmd_amend(args: argparse.Namespace) -> int:
+    """`qkgeom amend`: register a changed pre-registration as a new version."""
     from qkgeom.analysis.prereg import register_version
 
     entry = register_version(args.dir, args.note)
@@ -277,6 +290,7 @@ def cmd_amend(args: argparse.Namespace) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
+    """`qkgeom report`: the HTML report of a study, a run, a ladder or a `qkgeom pretrained` folder."""
     from qkgeom.report.family import family_study_section, write_family_report
     from qkgeom.report.study import write_report
     from qkgeom.results import is_pretrained_output
@@ -284,16 +298,18 @@ def cmd_report(args: argparse.Namespace) -> int:
     if is_pretrained_output(args.dir):  # a model or checkpoint family from `qkgeom pretrained`
         print(f"report: {write_family_report(args.dir)}")
         return 0
-    if _ladder(args.dir):
+    if _ladder(args.dir, report=True):
         return 0
     print(f"report: {write_report(_analyze(args.dir), family_study_section(args.dir))}")
     return 0
 
 
 def cmd_study(args: argparse.Namespace) -> int:
+    """`qkgeom study`: sweep, analyze and report; an accumulating study is analysed from its records."""
+    from qkgeom.analysis.study import format_verdicts
     from qkgeom.families.study import analyse_families, is_family_study
     from qkgeom.report.family import family_study_section
-    from qkgeom.report.study import format_verdicts, write_report
+    from qkgeom.report.study import write_report
 
     spec, out, res = _sweep(args)
     if res is None:  # --dry-run
@@ -306,7 +322,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         out = records
     if is_family_study(out):  # runs that kept log-spaced checkpoints: each read as a checkpoint family
         analyse_families(out, progress=not args.no_progress)
-    if _ladder(out):
+    if _ladder(out, report=True):
         return 1 if res.failed else 0
     a = _analyze(out)
     report = write_report(a, family_study_section(out))
@@ -316,6 +332,7 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 
 def cmd_pretrained(args: argparse.Namespace) -> int:
+    """`qkgeom pretrained`: a Hugging Face model or checkpoint family, measured and reported."""
     from qkgeom.probing.archs import check_model_type
 
     for rev in args.revision or [None]:  # an unsupported local model: one line at once, nothing imported
@@ -354,6 +371,7 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    """`qkgeom export`: a run's kept checkpoints as Hugging Face GPT-2 folders."""
     from qkgeom.families.export import export_run
 
     folders = export_run(args.run, args.out)
@@ -372,6 +390,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The argument parser: one sub-command per job, help on every flag."""
     parser = argparse.ArgumentParser(
         prog="qkgeom",
         description="Measure and causally steer the geometry of queries and keys in Transformer attention.",

@@ -371,8 +371,22 @@ MAX_CTX = 8192  # a T x T probe pattern per head beyond this does not fit a work
 SAFE_NAME = re.compile(r"[A-Za-z0-9_=,+\-][A-Za-z0-9._=,+\-]*")
 
 
+def arm_label(iv: dict) -> str:
+    """A condition's name in tables: `none`, `hold:key`, `contract:key:0.6`, `expand:interaction:1.25`,
+    `shape:activation:0.7`, `temperature:logit:0.5`; `:matched` is appended at open-loop matched logit
+    scale (match_scale), `:closed` at closed-loop matched per-row logit std (match_row_std)."""
+    kind, on = iv["kind"], iv.get("on", "key")
+    on = {"shape": "activation", "temperature": "logit"}.get(kind, on)
+    matched = ":matched" if iv.get("match_scale") else ":closed" if iv.get("match_row_std") else ""
+    if kind == "none":
+        return "none"
+    if kind == "hold":
+        return f"hold:{on}{matched}"
+    return f"{kind}:{on}:{iv.get('ratio', 1.0):g}{matched}"
+
+
 def arm_config(label: str) -> InterventionConfig:
-    """The intervention an arm label names (the inverse of analysis.runs.arm_label): `none`,
+    """The intervention an arm label names (the inverse of arm_label): `none`,
     `hold:key[:matched|:closed]`, `<kind>:<on>:<ratio>[:matched|:closed]`; shape and temperature relative
     to a baseline (`:matched`: open-loop logit scale, match_scale; `:closed`: closed loop, match_row_std)."""
     parts = label.split(":")

@@ -149,6 +149,7 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
 
 
 def write_json(path: Path, obj: Any) -> None:
+    """`obj` as indented, key-sorted JSON, written atomically."""
     atomic_write_bytes(Path(path), (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode())
 
 

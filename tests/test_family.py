@@ -268,17 +268,18 @@ def test_a_torn_export_is_never_read_as_a_revision(exported, tmp_path):
     _, rd, hf_root, _ = exported
     hf = tmp_path / "hf"
     shutil.copytree(hf_root, hf)
+    whole = sorted(F.local_revisions(hf))  # the fixture's revisions (other tests may have added some)
+    assert {"step_0", "step_6", "step_12"} <= set(whole)
     torn = hf / ".step_6.x1y2.tmp"
     shutil.copytree(hf / "step_6", torn)
     (torn / "qkgeom_export.json").unlink()  # killed before its marker
     shutil.copytree(hf / "step_6", hf / "step_9")
     (hf / "step_9" / "qkgeom_export.json").unlink()  # a revision folder without the marker
-    assert sorted(F.local_revisions(hf)) == ["step_0", "step_12", "step_6"]
+    assert sorted(F.local_revisions(hf)) == whole
     export_run(rd.path, hf)
-    assert not torn.exists() and sorted(F.local_revisions(hf)) == ["step_0", "step_12", "step_6"]
-    assert F.family_revisions(load_pretrained(None, [f"model={json.dumps(str(hf))}", "all_revisions=true"])) == [
-        "step_0", "step_6", "step_12"
-    ]  # fmt: skip
+    assert not torn.exists() and sorted(F.local_revisions(hf)) == whole
+    revisions = F.family_revisions(load_pretrained(None, [f"model={json.dumps(str(hf))}", "all_revisions=true"]))
+    assert sorted(revisions) == whole and "step_9" not in revisions
 
 
 def test_report_says_which_revisions_it_left_out(tmp_path):
@@ -306,7 +307,7 @@ def test_weights_that_do_not_match_the_config_are_refused(tmp_path):
         tmp_path / "g"
     )
     config = json.loads((tmp_path / "g" / "config.json").read_text())
-    for n_layer, says in ((3, "11 missing"), (1, "11 unexpected")):
+    for n_layer, says in ((3, "12 missing"), (1, "11 unexpected")):  # missing: the Q/K/V bias counts now
         (tmp_path / "g" / "config.json").write_text(json.dumps({**config, "n_layer": n_layer}))
         with pytest.raises(P.PretrainedError, match=f"do not match its config.json: {says}"):
             P.load_model(str(tmp_path / "g"))

@@ -474,7 +474,7 @@ def test_shape_and_temperature_arms_in_training_track_the_none_run(tmp_path):
 
 
 def test_arm_labels_round_trip_and_bad_labels_are_named():
-    from qkgeom.analysis.runs import arm_label
+    from qkgeom.config import arm_label
 
     for label in ("none", "hold:key", "hold:key:matched", "contract:interaction:0.4", "shape:activation:0.7:matched",
                   "temperature:logit:0.5", "hold:key:closed", "shape:activation:1:closed"):  # fmt: skip

@@ -49,7 +49,7 @@ def test_a_committed_study_reanalyses_byte_identical(study, tmp_path, capsys):
 
 
 def test_a_record_is_a_slim_run_folder_that_analyses_the_same(tmp_path):
-    from qkgeom.report.study import analyze
+    from qkgeom.analysis.study import analyze
     from qkgeom.training.loop import train
 
     for seed in (0, 1):
@@ -70,7 +70,7 @@ def test_a_record_is_a_slim_run_folder_that_analyses_the_same(tmp_path):
 def test_the_verdicts_index_matches_the_committed_csvs():
     """docs/results/VERDICTS.md is what `qkgeom verdicts` derives from the committed claims.csv files
     and pre-registrations today: a changed CSV or statistic without a rewritten index fails here."""
-    from qkgeom.report.study import verdicts_index
+    from qkgeom.analysis.verdict_index import verdicts_index
 
     root = REPO / "docs" / "results"
     assert verdicts_index(root) == (root / "VERDICTS.md").read_text()

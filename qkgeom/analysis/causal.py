@@ -93,6 +93,7 @@ def with_seed_window(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def seed_window_note(df: pd.DataFrame) -> str:
+    """The window note of a causal table: each seed's start, its none run's transient end."""
     starts = df.groupby("seed")["transient_end"].first()
     return "per seed, from its none run's transient end: " + ", ".join(f"{s}: {v}" for s, v in starts.items())
 
@@ -170,6 +171,14 @@ def dose_response(pts: pd.DataFrame) -> pd.DataFrame:
         x = g["log_pr_k"]
         out.append({"seed": seed, "slope": b, "intercept": a, "n_arms": len(g), "x_min": x.min(), "x_max": x.max()})
     return pd.DataFrame(out, columns=["seed", "slope", "intercept", "n_arms", "x_min", "x_max"])
+
+
+def dose_summary(slopes: pd.DataFrame) -> dict:
+    """The dose-response estimate the figure's title states: mean of the per-seed slopes, its 95%
+    t-interval and n."""
+    v = slopes["slope"].dropna().to_numpy()
+    lo, hi = stats.t_mean_ci(v)
+    return {"slope": float(np.mean(v)) if len(v) else np.nan, "low": lo, "high": hi, "n": len(v)}
 
 
 def causal_estimates(df: pd.DataFrame, note: str, unread: set[str] = frozenset()) -> list[dict]:

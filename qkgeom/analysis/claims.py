@@ -32,7 +32,6 @@ CLAIM_COLUMNS = [
     "ci90_low", "ci90_high", "margin", "reading", "p_sign_flip", "p_floor", "primary", "p_holm",
 ]  # fmt: skip
 # Unchanged by W_Q -> W_Q M, W_K -> W_K M^{-T}: attention, scores, W_Q W_K^T and losses. PR_Q, PR_K are not.
-GAUGE_INVARIANT_METRICS = ("attention_entropy", "logit_", "interaction_", "loss")
 WINDOWS = ("whole", "post-transient")
 TRANSIENT_TOLERANCE = 0.1  # stats.transient_end: the rebound has settled when a probe-to-probe change is <= 10%
 SENSITIVITY_STARTS = (0.0, 0.1, 0.2, 1 / 3, 0.5)  # fixed window starts (fraction of training) for the sensitivity table
@@ -139,6 +138,22 @@ def _groups(df: pd.DataFrame) -> list[tuple[str, pd.DataFrame]]:
     out += [(f"depth={d}", g) for d, g in df.groupby("n_layers")]
     out += [(f"init={i}", g) for i, g in df.groupby("qk_init")]
     return out
+
+
+def slope_by_depth(per_run: pd.DataFrame) -> pd.DataFrame:
+    """Post-transient PR_Q and PR_K slopes by relative depth (layer / (n_layers - 1)), per init and depth:
+    mean over runs (seeds), 95% t-interval and n, from per_run_statistics rows (one per run and layer).
+    Columns: qk_init, n_layers, rel, side (query / key), mean, low, high, n: what the figure draws."""
+    df = per_run.assign(rel=per_run["layer"] / (per_run["n_layers"] - 1).clip(lower=1))
+    rows = []
+    for (init, depth, rel), g in df.groupby(["qk_init", "n_layers", "rel"]):
+        for side in ("query", "key"):
+            v = g[f"slope:{side}_participation_ratio"].dropna().to_numpy()
+            lo, hi = stats.t_mean_ci(v)
+            mean = float(np.mean(v)) if len(v) else np.nan
+            rows.append({"qk_init": init, "n_layers": depth, "rel": rel, "side": side, "mean": mean, "low": lo,
+                         "high": hi, "n": len(v)})  # fmt: skip
+    return pd.DataFrame(rows, columns=["qk_init", "n_layers", "rel", "side", "mean", "low", "high", "n"])
 
 
 PARAMETRIC_ONLY = " (parametric only)"

@@ -37,7 +37,7 @@ from qkgeom.analysis.causal import (
 from qkgeom.analysis.claims import _finish, seed_row, window
 from qkgeom.analysis.runs import INSTANT_METRIC
 
-SHAM = "shape:activation:1:closed"  # the sham arm's label (analysis.runs.arm_label)
+SHAM = "shape:activation:1:closed"  # the sham arm's label (config.arm_label)
 ROW_STD_TARGET = "logit_row_std_target"  # logged by the closed loop for its controlled heads
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import tomllib
 from datetime import date
 from pathlib import Path
@@ -139,7 +140,6 @@ def _check_digests(path: Path) -> None:
 
 def _check_identity(path: Path) -> None:
     from qkgeom import config as C
-    from qkgeom.analysis.runs import arm_label
 
     seen: dict[tuple, str] = {}
     for d in record_folders(path):
@@ -149,7 +149,8 @@ def _check_identity(path: Path) -> None:
         info = read_json(rd.config)
         cfg = info.get("config", {})
         rid = info.get("run_id")
-        if info.get("source") != "qkgeom.Probe":  # our trainer's run: its id is a hash of its config
+        # a sweep's run is named by its config (config.run_id: <name>-<10 hex>), a hand-named one is not
+        if info.get("source") != "qkgeom.Probe" and re.fullmatch(r".+-[0-9a-f]{10}", d.name):
             try:
                 rid = C.run_id(C.from_dict(cfg))
             except (KeyError, TypeError, ValueError) as e:
@@ -162,7 +163,7 @@ def _check_identity(path: Path) -> None:
         step, steps = read_json(rd.done).get("step"), cfg["train"]["steps"]
         if step != steps:
             raise RecordError(f"record {d.name} finished at step {step}, not at its config's {steps} steps")
-        key = (arm_label(cfg["intervention"]), cfg["model"]["n_layers"], cfg["model"]["qk_init"],
+        key = (C.arm_label(cfg["intervention"]), cfg["model"]["n_layers"], cfg["model"]["qk_init"],
                cfg["train"]["seed"], cfg["train"]["data_seed"], steps)  # fmt: skip
         if key in seen:
             raise RecordError(f"records {seen[key]} and {d.name} are the same (arm, seed, budget): keep one")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from qkgeom.config import arm_label  # noqa: F401 - the table name of an arm, read here and by claims
 from qkgeom.errors import QKGeomError
 from qkgeom.probing.archs import one_site
 from qkgeom.results import RECORDS_DIR, RunDir, is_pretrained_output, read_json
@@ -55,20 +56,6 @@ def _run_info(rd: RunDir) -> dict:
         "steps": cfg["train"]["steps"],
         "warmup_steps": cfg["train"]["warmup_steps"],
     }
-
-
-def arm_label(iv: dict) -> str:
-    """A condition's name in tables: `none`, `hold:key`, `contract:key:0.6`, `expand:interaction:1.25`,
-    `shape:activation:0.7`, `temperature:logit:0.5`; `:matched` is appended at open-loop matched logit
-    scale (match_scale), `:closed` at closed-loop matched per-row logit std (match_row_std)."""
-    kind, on = iv["kind"], iv.get("on", "key")
-    on = {"shape": "activation", "temperature": "logit"}.get(kind, on)
-    matched = ":matched" if iv.get("match_scale") else ":closed" if iv.get("match_row_std") else ""
-    if kind == "none":
-        return "none"
-    if kind == "hold":
-        return f"hold:{on}{matched}"
-    return f"{kind}:{on}:{iv.get('ratio', 1.0):g}{matched}"
 
 
 # What may differ between the runs of one analysis: the seeds (the units), the study's conditions

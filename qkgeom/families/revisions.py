@@ -48,6 +48,7 @@ def step_of(revision: str) -> int | None:
 
 
 def tokens_per_step(model_path: str) -> int | None:
+    """Training tokens per step of a revision folder: our export's own record, else Pythia's, else None."""
     p = Path(model_path)
     if (p / EXPORT_INFO).is_file():
         return int(read_json(p / EXPORT_INFO)["tokens_per_step"])
@@ -455,3 +456,28 @@ def model_headline(geometry: pd.DataFrame, revision: str) -> pd.DataFrame:
         ],
         columns=["statistic", "value", "95% interval", "over"],
     )  # fmt: skip
+
+
+def family_tables(
+    path: str | Path, early_max_step: int | None = None
+) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, list[str], int]:
+    """A checkpoint family's judged tables, written beside its revisions: revisions.csv (hash flags),
+    trends.csv (family_trends) and family.parquet (family_dataset). early_max_step: the early window's
+    end; by default the one the family was measured with. Returns (geometry, revisions, trends, the
+    revisions left out and why, the early window's end)."""
+    import io
+
+    from qkgeom.results import FAMILY_PARQUET, REVISIONS_CSV, TRENDS_CSV, atomic_write_bytes, write_table
+
+    path = Path(path)
+    geometry, revs = load_family(path)
+    if early_max_step is None:
+        first = next(d for d in sorted(path.iterdir()) if RunDir(d).is_done() and not d.name.startswith("."))
+        early_max_step = read_json(RunDir(first).config).get("pretrained_config", {}).get("early_max_step", 1000)
+    trends = family_trends(geometry, early_max_step)
+    write_table(path, Path(REVISIONS_CSV).stem, revs)
+    write_table(path, Path(TRENDS_CSV).stem, trends)
+    buf = io.BytesIO()
+    family_dataset(geometry, revs).to_parquet(buf, index=False)
+    atomic_write_bytes(path / FAMILY_PARQUET, buf.getvalue())
+    return geometry, revs, trends, left_out_revisions(path), early_max_step

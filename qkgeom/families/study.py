@@ -60,6 +60,7 @@ def family_runs(path: str | Path) -> list[Path]:
 
 
 def is_family_study(path: str | Path) -> bool:
+    """Whether the finished runs under `path` kept log-spaced checkpoints (a family study)."""
     return bool(family_runs(path))
 
 
@@ -190,3 +191,12 @@ def family_geometry(path: str | Path) -> pd.DataFrame:
     """Every family's whole-layer and per-head rows, with run_id and seed (for the report's figures)."""
     frames = [g.assign(run_id=run.name, seed=seed) for run, seed, g, _, _ in _families(path)]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def analyze_study(path: str | Path):
+    """analysis.study.analyze of a folder of runs, with a family study's trends among its claims (the
+    families wing adds them: the analysis wing does not import it). Returns the Analysis."""
+    from qkgeom.analysis.study import analyze
+
+    path = Path(path)
+    return analyze(path, extra=lambda p: [write_family_tables(p)] if (p / FAMILY_DIR).is_dir() else [])

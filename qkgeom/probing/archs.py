@@ -222,6 +222,7 @@ ADD_ARCH_HINT = "add one in qkgeom/probing/archs.py (ARCHS, see Arch) with a par
 
 
 def arch_of(model: nn.Module) -> Arch:
+    """The ARCHS row of a supported Hugging Face model; PretrainedError for any other."""
     mt = model.config.model_type
     if mt not in ARCHS:
         raise PretrainedError(f"unsupported model type {mt!r}; supported: {', '.join(sorted(ARCHS))}; {ADD_ARCH_HINT}")

@@ -6,7 +6,6 @@ dataset, one row per checkpoint x layer x head x site x metric)."""
 from __future__ import annotations
 
 import html
-import io
 import sys
 from pathlib import Path
 
@@ -14,41 +13,26 @@ import pandas as pd
 
 from qkgeom.analysis import spectral
 from qkgeom.report import plots
-from qkgeom.report.study import _figure_html, _png, _write_page
+from qkgeom.report.study import figure_html, png_bytes, write_page
 from qkgeom.results import (
     FAMILY_CLAIMS_CSV,
-    FAMILY_PARQUET,
     FAMILY_SEEDS_CSV,
     REPORT_DIR,
-    REVISIONS_CSV,
-    TRENDS_CSV,
-    RunDir,
     atomic_write_bytes,
-    read_json,
     write_table,
 )
 
 
 def write_family_report(path: str | Path, early_max_step: int | None = None) -> Path:
-    """Tables (revisions.csv, trends.csv, family.parquet: the tidy dataset) and report/index.html of a
-    checkpoint family.
+    """report/index.html of a checkpoint family, drawn from the tables families.revisions.family_tables
+    writes (revisions.csv, trends.csv, family.parquet: the tidy dataset).
     early_max_step: the early window's end; by default the one the family was analysed with."""
-    from qkgeom.families.revisions import family_dataset, family_trends, left_out_revisions, load_family
+    from qkgeom.families.revisions import family_tables
 
     path = Path(path)
-    geometry, revs = load_family(path)
-    left_out = left_out_revisions(path)
+    geometry, revs, trends, left_out, early_max_step = family_tables(path, early_max_step)
     for why in left_out:
         print(f"warning: revision left out of {path.name}: {why}", file=sys.stderr)
-    if early_max_step is None:
-        first = next(d for d in sorted(path.iterdir()) if RunDir(d).is_done())
-        early_max_step = read_json(RunDir(first).config).get("pretrained_config", {}).get("early_max_step", 1000)
-    trends = family_trends(geometry, early_max_step)
-    write_table(path, Path(REVISIONS_CSV).stem, revs)
-    write_table(path, Path(TRENDS_CSV).stem, trends)
-    buf = io.BytesIO()
-    family_dataset(geometry, revs).to_parquet(buf, index=False)
-    atomic_write_bytes(path / FAMILY_PARQUET, buf.getvalue())
     out = path / REPORT_DIR
     out.mkdir(parents=True, exist_ok=True)
     if len(revs) == 1:
@@ -71,9 +55,9 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
             title = f"{rev}: weight rank against realised rank (energy_ranks.csv)"
             figures.append(("energy_ranks", plots.energy_ranks(ranks, rev), title))
     for name, fig, caption in figures:
-        png = _png(fig)
+        png = png_bytes(fig)
         atomic_write_bytes(out / f"{name}.png", png)
-        parts.append(_figure_html(name, png, caption))
+        parts.append(figure_html(name, png, caption))
     layer_values = geometry[geometry["head"] == -1].pivot_table(
         index=["revision", "site", "layer"], columns="metric", values="value"
     )
@@ -87,7 +71,7 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
         layer_values.reset_index().to_html(index=False, float_format=lambda v: f"{v:.4g}"),
         "</details>",
     ]
-    return _write_page(out, f"qkgeom family: {path.name}", parts)
+    return write_page(out, f"qkgeom family: {path.name}", parts)
 
 
 def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) -> Path:
@@ -96,7 +80,7 @@ def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) 
 
     info, rev = revs.iloc[0], revs["revision"].iloc[0]
     name = f"{info['model']}" + (f" @ {rev}" if rev != "main" else "")
-    png = _png(plots.model_heads(geometry, rev))
+    png = png_bytes(plots.model_heads(geometry, rev))
     atomic_write_bytes(path / "report" / "model_heads.png", png)
     ranks = _energy_ranks(path, geometry, rev)
     parts = [
@@ -105,22 +89,22 @@ def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) 
         f"{int(info['logit_seqs'])} sequences only (a sample: each needs T &times; T eigen-solves).</p>",
         "<h2>Headline</h2>",
         model_headline(geometry, rev).to_html(index=False, escape=True),
-        _figure_html("model_heads", png, "Per layer and per head"),
+        figure_html("model_heads", png, "Per layer and per head"),
         "<h2>Per-layer values</h2>",
         layer_table(geometry, rev).to_html(index=False, float_format=lambda v: f"{v:.3g}"),
     ]
     if len(ranks):
-        rank_png = _png(plots.energy_ranks(ranks, name))
+        rank_png = png_bytes(plots.energy_ranks(ranks, name))
         atomic_write_bytes(path / "report" / "energy_ranks.png", rank_png)
         parts += [
             "<h2>Weight rank and realised rank</h2>",
             "<p>Per head, the components carrying 90% of the energy of W_Q W_K<sup>T</sup> (weights) and of "
             "the row-centred Q K<sup>T</sup> logits on the text (data, over the logit sample's sequences), and "
             "their ratio (energy_ranks.csv).</p>",
-            _figure_html("energy_ranks", rank_png, "Weight rank against realised rank per head"),
+            figure_html("energy_ranks", rank_png, "Weight rank against realised rank per head"),
             ranks.to_html(index=False, float_format=lambda v: f"{v:.3g}"),
         ]
-    return _write_page(path / "report", f"qkgeom model: {name}", parts)
+    return write_page(path / "report", f"qkgeom model: {name}", parts)
 
 
 def _energy_ranks(path: Path, geometry: pd.DataFrame, revision: str) -> pd.DataFrame:
@@ -163,9 +147,9 @@ def family_study_section(path: str | Path) -> list[str]:
          "Interaction rank vs attention entropy "
          "across heads: per revision (left), and every head at three revisions"),
     ):  # fmt: skip
-        png = _png(fig)
+        png = png_bytes(fig)
         atomic_write_bytes(path / "report" / f"{name}.png", png)
-        parts.append(_figure_html(name, png, caption))
+        parts.append(figure_html(name, png, caption))
     table = claims[["claim", "group", "window", "value", "ci_low", "ci_high", "n", "seeds_agreeing", "mde_80",
                     "verdict", "detail"]]  # fmt: skip
     parts += [

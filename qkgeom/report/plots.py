@@ -184,9 +184,10 @@ def control_tracking(df: pd.DataFrame) -> Figure:
     return fig
 
 
-def dose_response(points: pd.DataFrame, slopes: pd.DataFrame) -> Figure:
+def dose_response(points: pd.DataFrame, slopes: pd.DataFrame, summary: dict) -> Figure:
     """Attention entropy against log activation PR_K per arm and seed (post-transient means), one
-    line per seed: the causal estimate is the mean of these per-seed slopes."""
+    line per seed: the causal estimate is the mean of these per-seed slopes (`summary`: its mean and
+    95% interval, analysis.causal.dose_summary)."""
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     arms = sorted(points["intervention"].unique())
     fits = slopes.set_index("seed")
@@ -205,13 +206,9 @@ def dose_response(points: pd.DataFrame, slopes: pd.DataFrame) -> Figure:
                 marker="o" if r["in_fit"].iloc[0] else "x",
                 label=arm if seed == points["seed"].min() else None,
             )
-    v = slopes["slope"].to_numpy()
-    from scipy import stats as S
-
-    half = S.t.ppf(0.975, len(v) - 1) * np.std(v, ddof=1) / np.sqrt(len(v)) if len(v) > 1 else np.nan
     ax.set_title(
-        f"Dose-response: slope {np.mean(v):.3f} [{np.mean(v) - half:.3f}, {np.mean(v) + half:.3f}] "
-        f"(95% t over {len(v)} seeds; lines: per-seed fits)",
+        f"Dose-response: slope {summary['slope']:.3f} [{summary['low']:.3f}, {summary['high']:.3f}] "
+        f"(95% t over {summary['n']} seeds; lines: per-seed fits)",
         fontsize=9,
     )
     ax.set_xlabel("log activation PR_K (post-transient mean, layer mean)")
@@ -322,22 +319,19 @@ def model_heads(geometry: pd.DataFrame, revision: str) -> Figure:
     return fig
 
 
-def slope_by_depth(per_run: pd.DataFrame) -> Figure:
-    """Post-transient slopes of PR_Q and PR_K against relative depth (layer / (n_layers - 1)), per
-    init: seed mean with a 95% t-interval (analysis.per_run_statistics rows: one per run and layer)."""
-    from scipy import stats as S
-
-    df = per_run.assign(rel=per_run["layer"] / (per_run["n_layers"] - 1).clip(lower=1))
-    inits = sorted(df["qk_init"].unique())
+def slope_by_depth(table: pd.DataFrame) -> Figure:
+    """Post-transient slopes of PR_Q and PR_K against relative depth, per init and depth: the seed mean
+    with the 95% t-interval the analysis wrote (analysis.claims.slope_by_depth)."""
+    inits = sorted(table["qk_init"].unique())
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
-    for ax, (metric, name) in zip(axes, [("query", "PR_Q"), ("key", "PR_K")], strict=True):
-        col = f"slope:{metric}_participation_ratio"
+    for ax, (side, name) in zip(axes, [("query", "PR_Q"), ("key", "PR_K")], strict=True):
         for i, init in enumerate(inits):
-            for depth, g in df[df["qk_init"] == init].groupby("n_layers"):
-                agg = g.groupby("rel")[col].agg(["mean", "std", "count"])
-                half = S.t.ppf(0.975, (agg["count"] - 1).clip(lower=1)) * agg["std"] / np.sqrt(agg["count"])
-                ax.errorbar(agg.index, agg["mean"], yerr=half, marker="o", ms=3, capsize=2, color=f"C{i}",
-                            alpha=0.5 + 0.5 * depth / df["n_layers"].max(), label=f"{init}, depth {depth}")  # fmt: skip
+            for depth, g in table[(table["qk_init"] == init) & (table["side"] == side)].groupby("n_layers"):
+                g = g.sort_values("rel")
+                yerr = [g["mean"] - g["low"], g["high"] - g["mean"]]
+                alpha = 0.5 + 0.5 * depth / table["n_layers"].max()
+                ax.errorbar(g["rel"], g["mean"], yerr=yerr, marker="o", ms=3, capsize=2, color=f"C{i}", alpha=alpha,
+                            label=f"{init}, depth {depth}")  # fmt: skip
         ax.axhline(0, color="k", lw=0.8)
         ax.set(xlabel="relative depth (0 = first layer, 1 = last)", ylabel=f"{name} slope (PR per run)",
                title=f"Post-transient {name} slope by depth")  # fmt: skip

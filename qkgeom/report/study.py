@@ -1,7 +1,6 @@
-"""analyze (tables on disk) and report (one self-contained HTML file plus PNG figures).
+"""The study report: an analysed folder (analysis.study.Analysis, its judged tables) drawn as one
+self-contained HTML page plus PNG figures. It draws what the analysis wrote, and judges nothing.
 
-<dir>/summary.parquet|csv   seed-averaged layer trajectories
-<dir>/claims.parquet|csv    the claims table (main and/or intervention study)
 <dir>/report/index.html     figures embedded as data URIs; <dir>/report/*.png alongside
 """
 
@@ -10,152 +9,27 @@ from __future__ import annotations
 import base64
 import html
 import io
-import re
 import time
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis import causal, matched, spectral
+from qkgeom.analysis import causal, spectral
 from qkgeom.analysis import claims as A
 from qkgeom.analysis.context import context_sentence, study_context
-from qkgeom.analysis.prereg import check_records, registered_versions, study_analysis
-from qkgeom.families.study import FAMILY_DIR, write_family_tables
+from qkgeom.analysis.study import CAUSAL_GROUPS, LADDER_TABLE, Analysis, ladder_tables, verdicts
 from qkgeom.report import plots
 from qkgeom.results import (
     RECORDS_DIR,
     REPORT_INDEX,
     SWEEP_MANIFEST,
-    DamagedRunError,
     RunDir,
     atomic_write_bytes,
     read_json,
     write_table,
 )
-
-
-@dataclass
-class Analysis:
-    path: Path
-    geometry: pd.DataFrame
-    metrics: pd.DataFrame
-    trajectories: pd.DataFrame
-    claims: pd.DataFrame
-    sensitivity: pd.DataFrame
-    skipped: list[str] = field(default_factory=list)
-    horizon: pd.DataFrame | None = None
-    # what the figures draw, computed here by the analysis (the report only draws)
-    per_run: pd.DataFrame | None = None  # per (run, layer) post-transient statistics of the none runs
-    dose_points: pd.DataFrame | None = None  # per (seed, arm) window means (intervention studies)
-    dose_slopes: pd.DataFrame | None = None  # per seed dose-response fit
-    matched_dose: pd.DataFrame | None = None  # causal v4: per (layer, arm) dose and entropy vs sham, 95% t
-
-    @property
-    def is_intervention(self) -> bool:
-        return self.geometry["intervention"].nunique() > 1
-
-
-def analyze(path: str | Path) -> Analysis:
-    """Load every finished run under `path`, compute trajectories and claims, write the tables."""
-    path = Path(path)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", A.RunWarning)
-        geometry, metrics = A.load_runs(path), A.load_metrics(path)
-    skipped = sorted({str(w.message) for w in caught if issubclass(w.category, A.RunWarning)})
-    geometry = A.with_transient(geometry)
-    traj = A.trajectories(geometry)
-    parts = []
-    tables = {}
-    if geometry["intervention"].nunique() > 1:
-        parts.append(causal.claims_intervention(geometry, metrics))
-    if matched.is_matched_study(geometry):  # causal v4: closed-loop arms against a sham, per layer
-        parts.append(matched.claims_matched(geometry, metrics))
-        tables["matched_dose"] = matched.dose_table(geometry)
-    base = geometry[geometry["intervention"] == "none"]
-    sens = pd.DataFrame(columns=A.CLAIM_COLUMNS)
-    if len(base) and (base["n_layers"].nunique() > 1 or base["qk_init"].nunique() > 1 or not parts):
-        parts.append(A.claims_main(base))
-        sens = A.sensitivity(base)
-        tables |= {"sensitivity": sens, "seed_agreement": A.seed_agreement(base), "horizon": A.horizon(base)}
-    if (path / FAMILY_DIR).is_dir():  # a family study: its runs' checkpoints analysed as families
-        parts.append(write_family_tables(path))
-    claims = pd.concat(parts, ignore_index=True)
-    pre = study_analysis(path)
-    claims = A.apply_margin(claims, float(pre.get("margin", np.nan)))  # the pre-registered TOST margin, if any
-    claims = A.numeric_columns(A.adjust_primary(claims, pre.get("primary", [])))
-    tables["verdicts"] = verdicts(claims)
-    if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
-        tables["scale_check"] = claims[claims["claim"].str.contains(" - sham: (?:scale check|delivered dose)")]
-    for name, df in {"summary": traj, "claims": claims, **tables}.items():
-        write_table(path, name, df, parquet=True)
-    per_run = A.per_run_statistics(A.window(base if len(base) else geometry, "post-transient"))
-    points = causal.dose_points(geometry) if geometry["intervention"].nunique() > 1 else None
-    fits = causal.dose_response(points) if points is not None else None
-    return Analysis(
-        path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"), per_run, points, fits,
-        tables.get("matched_dose"),
-    )  # fmt: skip
-
-
-VERDICT_WINDOWS = ("post-transient", "final", "post-transient mean", "post-transient, loss-matched")
-# The groups a verdict table shows: pooled, the relative-depth bands, and the causal estimates.
-CAUSAL_GROUPS = tuple(f"none + contract/expand on {t}" for t in causal.TARGET.values())
-VERDICT_GROUPS = ("all", "mean over layers", *A.LAYER_BANDS, *CAUSAL_GROUPS)
-
-
-def _fmt(v: float) -> str:
-    return "" if pd.isna(v) else f"{v:.3g}"
-
-
-def verdicts(claims: pd.DataFrame, select: bool = True) -> pd.DataFrame:
-    """One line per judged claim: predicted direction, measured effect [95% interval], n, seeds
-    agreeing, mde_80 and what an inconclusive verdict rules out, window and verdict. Groups: pooled
-    (`all` / `mean over layers`), the relative-depth bands and the causal estimates."""
-    sel = claims
-    if select:
-        sel = claims[
-            (claims["verdict"] != "") & claims["group"].isin(VERDICT_GROUPS) & claims["window"].isin(VERDICT_WINDOWS)
-        ]
-        # by depth band, the slopes only (the other claims per band stay in the full claims table)
-        sel = sel[~sel["group"].isin(list(A.LAYER_BANDS)) | sel["claim"].str.contains("slope of")]
-        # causal v4's per-layer rows against the sham (analysis.matched)
-        per_layer = claims[(claims["verdict"] != "") & claims["claim"].str.contains(" - sham: ")]
-        sel = pd.concat([sel, per_layer[~per_layer.index.isin(sel.index)]])
-        is_family = (claims["study"] == "family") & claims["claim"].str.match(r"F[1-4] ") & (claims["verdict"] != "")
-        sel = pd.concat([claims[is_family], sel])  # a family study's primary claims (families/study.py) lead
-    mde = pd.to_numeric(sel.get("mde_80", pd.Series(np.nan, index=sel.index)), errors="coerce")
-    interval = [
-        "" if pd.isna(lo) else f" [{_fmt(lo)}, {_fmt(hi)}]"
-        for lo, hi in sel[["ci_low", "ci_high"]].itertuples(index=False)
-    ]
-    p_raw = pd.to_numeric(sel["p_value"], errors="coerce")
-    p_holm = pd.to_numeric(sel["p_holm"], errors="coerce") if "p_holm" in sel else pd.Series(np.nan, index=sel.index)
-    nan = pd.Series(np.nan, index=sel.index)
-    p_flip = pd.to_numeric(sel["p_sign_flip"], errors="coerce") if "p_sign_flip" in sel else nan
-    p_floor = pd.to_numeric(sel["p_floor"], errors="coerce") if "p_floor" in sel else nan
-    return pd.DataFrame(
-        {
-            "claim": sel["claim"],
-            "group": sel["group"],
-            "predicted": sel["predicted"],
-            "measured [95% CI]": [f"{_fmt(v)}{i}" for v, i in zip(sel["value"], interval, strict=True)],
-            "n": sel["n"],
-            "seeds agreeing": sel["seeds_agreeing"],
-            "mde_80": mde.map(_fmt),
-            "window": sel["window"],
-            "verdict": [A.n_aware(v, f) for v, f in zip(sel["verdict"], p_floor, strict=True)],
-            "primary": sel["primary"] if "primary" in sel else "",
-            "p": p_raw.map(_fmt),
-            "p (exact sign-flip)": p_flip.map(_fmt),
-            "p (Holm, primary)": p_holm.map(_fmt),
-            "reading": sel["reading"] if "reading" in sel else "",
-        }
-    ).reset_index(drop=True)
-
 
 GREEN, RED, AMBER = "#d8f0d8", "#f6d5d5", "#f3ecd0"
 VERDICT_COLOURS = {
@@ -178,35 +52,8 @@ def verdicts_html(table: pd.DataFrame) -> str:
     return f"<table class='verdicts'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
-def format_verdicts(claims: pd.DataFrame) -> str:
-    """The verdict table as aligned text: what `qkgeom study` ends with."""
-    return format_verdict_table(verdicts(claims))
-
-
-def format_verdict_table(table: pd.DataFrame) -> str:
-    """A verdict table (verdicts, verdicts_ladder) as aligned text, without the reading column."""
-    table = table.drop(columns=["reading"])
-    with pd.option_context("display.width", 250, "display.max_colwidth", 80, "display.max_rows", 500):
-        return "VERDICTS (mde_80: the smallest effect each row could detect)\n" + table.to_string(index=False)
-
-
-def format_claims(claims: pd.DataFrame) -> str:
-    """The verdicts first, then the claims table per group, as aligned text for the terminal."""
-    show = claims[~claims["group"].str.startswith("layer=")].copy()
-    for c in ("value", "ci_low", "ci_high"):
-        show[c] = show[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
-    show["ci"] = np.where(show["ci_low"] != "", "[" + show["ci_low"] + ", " + show["ci_high"] + "]", "")
-    cols = ["claim", "group", "window", "value", "ci", "n", "seeds_agreeing", "verdict"]
-    with pd.option_context("display.width", 250, "display.max_colwidth", 70, "display.max_rows", 500):
-        return (
-            "VERDICTS\n"
-            + verdicts(claims).to_string(index=False)
-            + "\n\nALL CLAIMS\n"
-            + show[cols].to_string(index=False)
-        )
-
-
-def _png(fig) -> bytes:
+def png_bytes(fig) -> bytes:
+    """A matplotlib figure as PNG bytes (the figure is closed)."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -263,7 +110,7 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
             figs["dose_response"] = (
                 "Dose-response: attention entropy against achieved log activation PR_K, per arm and seed "
                 "(o: arms in the fit; x: other arms).",
-                plots.dose_response(a.dose_points, slopes),
+                plots.dose_response(a.dose_points, slopes, a.dose_summary),
             )
         figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "intervention"))
     base = g[g["intervention"] == "none"]
@@ -275,7 +122,7 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
         )
         figs["slope_by_depth"] = (
             "Post-transient PR_Q and PR_K slopes against relative depth, per init and depth (seed mean, 95% t).",
-            plots.slope_by_depth(a.per_run),
+            plots.slope_by_depth(a.slope_depth),
         )
         figs["contrast_heatmap"] = ("PR_Q - PR_K per layer over training (seed mean).", plots.contrast_heatmap(base))
         figs["entropy_vs_prk"] = ("Attention entropy against PR_K.", plots.entropy_vs_prk(base))
@@ -312,7 +159,7 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
             "Spectrum of W_Q^h (W_K^h)^T over training.",
             plots.interaction_spectra(spectra),
         )
-    return {k: (cap, _png(fig)) for k, (cap, fig) in figs.items()}
+    return {k: (cap, png_bytes(fig)) for k, (cap, fig) in figs.items()}
 
 
 def _unconstrained(g: pd.DataFrame) -> pd.DataFrame:
@@ -409,7 +256,7 @@ code{background:#f5f5f5;padding:0 3px}
 .context{background:#eef3fb;border:1px solid #bcd;padding:.6em 1em;margin:1em 0}"""
 
 
-def _figure_html(name: str, png: bytes, caption: str) -> str:
+def figure_html(name: str, png: bytes, caption: str) -> str:
     """A figure embedded as a data URI, captioned with its PNG's file name."""
     data = base64.b64encode(png).decode()
     return (
@@ -418,7 +265,7 @@ def _figure_html(name: str, png: bytes, caption: str) -> str:
     )
 
 
-def _write_page(out: Path, title: str, parts: list[str]) -> Path:
+def write_page(out: Path, title: str, parts: list[str]) -> Path:
     """out/index.html: one self-contained page (figures inline, the shared CSS)."""
     doc = (
         f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
@@ -469,7 +316,7 @@ def write_report(a: Analysis, sections: list[str] = ()) -> Path:
         parts.append("<p class='warn'>Skipped: " + "<br>".join(html.escape(s) for s in a.skipped) + "</p>")
     parts.append("<h2>Figures</h2>")
     for name, (cap, png) in figs.items():
-        parts.append(_figure_html(name, png, cap))
+        parts.append(figure_html(name, png, cap))
     parts += [
         "<details><summary><b>Full claims table</b> (every group and window)</summary>",
         claims.to_html(index=False, escape=True),
@@ -490,7 +337,7 @@ def write_report(a: Analysis, sections: list[str] = ()) -> Path:
             "</details>",
         ]
     parts += ["<h2>Provenance</h2>", _provenance(a).to_html(index=False, escape=True)]
-    return _write_page(out, f"qkgeom report: {a.path.name}", parts)
+    return write_page(out, f"qkgeom report: {a.path.name}", parts)
 
 
 RUN_TABLE = {
@@ -538,163 +385,33 @@ def _write_run_report(a: Analysis) -> Path:
             ranks.to_html(index=False, float_format=lambda v: f"{v:.3g}"),
         ]
     for name, (cap, fig) in figs.items():
-        png = _png(fig)
+        png = png_bytes(fig)
         atomic_write_bytes(out / f"{name}.png", png)
-        parts.append(_figure_html(name, png, cap))
+        parts.append(figure_html(name, png, cap))
     parts += ["<h2>Provenance</h2>", _provenance(a).to_html(index=False, escape=True)]
-    return _write_page(out, f"qkgeom run: {a.path.name}", parts)
+    return write_page(out, f"qkgeom run: {a.path.name}", parts)
 
 
-LADDER_FIGURE = "ladder_key_slopes"
-
-
-def analyze_ladder(path: str | Path) -> tuple[pd.DataFrame, Path]:
-    """A token ladder's claims (analysis.ladder) with the pre-registration's margin and Holm family,
-    written as claims.csv and verdicts.csv beside the runs (or their records), and its report:
-    report/ladder_key_slopes.png and report/index.html. Returns (claims, report page)."""
-    from qkgeom.analysis import ladder as L
-
+def write_ladder_report(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, Path]:
+    """A token ladder's tables (analysis.study.ladder_tables) and its page: report/ladder_key_slopes.png
+    and report/index.html. Returns (claims, verdict table, page)."""
     path = Path(path)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", A.RunWarning)
-        g, m = L.load_ladder(path)
-    pre = study_analysis(path)
-    sweep = path / SWEEP_MANIFEST
-    planned = len(read_json(sweep)["runs"]) if sweep.is_file() else None
-    claims = L.claims_ladder(g, m, float(pre.get("margin", np.nan)), planned)
-    claims = A.numeric_columns(A.adjust_primary(claims, pre.get("primary", [])))
-    table = verdicts_ladder(claims)
-    write_table(path, "claims", claims)
-    write_table(path, "verdicts", table)
-    summary = L.local_slope_summary(L.local_slopes(g))
-    write_table(path, "ladder_key_slopes", summary)
+    claims, table, summary, facts = ladder_tables(path)
     out = path / "report"
     out.mkdir(parents=True, exist_ok=True)
-    png = _png(plots.ladder_slopes(summary))
-    atomic_write_bytes(out / f"{LADDER_FIGURE}.png", png)
-    n_runs = g["run_id"].nunique()
-    skipped = sorted({str(w.message) for w in caught if issubclass(w.category, A.RunWarning)})
+    png = png_bytes(plots.ladder_slopes(summary))
+    atomic_write_bytes(out / f"{LADDER_TABLE}.png", png)
+    n_runs, planned = facts["runs"], facts["planned"]
     parts = [
         f"<h1>token ladder: {html.escape(path.name)}</h1>",
         f"<p>{n_runs} runs{f' of {planned} planned (interim)' if planned and n_runs < planned else ''}; "
-        f"{g['seed'].nunique()} seeds; budgets {', '.join(f'{b:g}' for b in sorted(g['budget_m'].unique()))} M "
+        f"{facts['seeds']} seeds; budgets {', '.join(f'{b:g}' for b in facts['budgets'])} M "
         "tokens, each with its own warm-up + cosine schedule.</p>",
         "<h2>Verdicts</h2>",
         verdicts_html(table),
-        _figure_html(
-            LADDER_FIGURE, png, "PR_K slope per doubling of steps, by layer, against tokens; one line per budget"
+        figure_html(
+            LADDER_TABLE, png, "PR_K slope per doubling of steps, by layer, against tokens; one line per budget"
         ),
-        *(f"<p class='warn'>{html.escape(s)}</p>" for s in skipped),
+        *(f"<p class='warn'>{html.escape(s)}</p>" for s in facts["skipped"]),
     ]
-    return claims, _write_page(out, f"ladder {path.name}", parts)
-
-
-def verdicts_ladder(claims: pd.DataFrame) -> pd.DataFrame:
-    """The ladder's verdict table: every judged row (primary first), in the shape of `verdicts`."""
-    sel = claims[claims["verdict"].astype(str) != ""]
-    sel = pd.concat([sel[sel["primary"] != ""], sel[sel["primary"] == ""]])
-    return verdicts(sel, select=False)
-
-
-CLAIMS_NEEDED = ("claim", "group", "window", "value", "ci_low", "ci_high", "n", "verdict", "p_value", "detail")
-
-
-def _committed_claims(path: Path) -> pd.DataFrame:
-    """A committed claims.csv, refused in one line (DamagedRunError) where it is truncated or garbled."""
-    if not path.read_bytes().endswith(b"\n"):  # every table qkgeom writes ends its last row
-        raise DamagedRunError(f"{path} is damaged (its last row is cut off); re-derive it with qkgeom analyze")
-    try:
-        claims = pd.read_csv(path, keep_default_na=False, na_values=[""])
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
-        raise DamagedRunError(
-            f"{path} is damaged ({str(e).splitlines()[0]}); re-derive it with qkgeom analyze"
-        ) from None
-    lost = [c for c in CLAIMS_NEEDED if c not in claims.columns]
-    if lost or claims["p_value"].map(lambda v: isinstance(v, str) and v != "").any():
-        what = f"no column {lost[0]!r}" if lost else "a p_value that is not a number"
-        raise DamagedRunError(f"{path} is damaged ({what}; truncated?); re-derive it with qkgeom analyze")
-    claims["verdict"] = claims["verdict"].fillna("")
-    return claims
-
-
-def current_claims(d: Path) -> pd.DataFrame:
-    """A committed study's claims as its current statistics give them: claims.csv, with the rows of its
-    newest re-derived table of primaries (`*claims_v<N>.csv`, N >= 2, e.g. family-cpu's v2 Fisher-z
-    rows re-derived from its per-seed table) in place of the rows of the same claim."""
-    claims = _committed_claims(d / "claims.csv")
-    newer = sorted(
-        (f for f in d.glob("*claims_v*.csv") if re.search(r"_v(\d+)\.csv$", f.name)),
-        key=lambda f: int(re.search(r"_v(\d+)\.csv$", f.name).group(1)),
-    )
-    newer = [f for f in newer if int(re.search(r"_v(\d+)\.csv$", f.name).group(1)) >= 2]
-    if newer:
-        v2 = _committed_claims(newer[-1])
-        claims = pd.concat([v2, claims[~claims["claim"].isin(set(v2["claim"]))]], ignore_index=True)
-    return claims
-
-
-def verdicts_index(root: str | Path) -> str:
-    """docs/results/VERDICTS.md: every pre-registered primary row of every committed study under its
-    current statistics (current_claims), with its raw p, the exact sign-flip p from its per-seed values
-    (and the smallest p its n can reach), its n-aware verdict (analysis.claims.n_aware), Holm over the
-    study's primary family (the error control) and, descriptively, over every study's primary rows
-    together; whether the row re-derives from committed per-run records. A pre-registered primary that
-    matches no row is an error (a reworded claim would otherwise leave its Holm family in silence)."""
-    root = Path(root)
-    found = []
-    amended = []
-    for d in sorted(p for p in root.iterdir() if (p / "claims.csv").is_file()):
-        spec = study_analysis(d, by_name=True).get("primary", [])
-        if not spec:
-            continue
-        check_records(d)  # records judged under another pre-registration, or bent: refused
-        amended += [(d.name, v) for v in registered_versions(d)]
-        claims = A.adjust_primary(current_claims(d), spec)
-        for spec_row in spec:
-            rows = claims[claims["primary"] == spec_row["id"]]
-            if rows.empty:
-                raise A.AnalysisError(
-                    f"{d.name}: pre-registered primary {spec_row['id']} ({spec_row['claim']!r}) matches no row "
-                    "of its claims.csv"
-                )
-            for r in rows.itertuples(index=False):
-                found.append((d.name, spec_row["id"], r, (d / RECORDS_DIR).is_dir()))
-    p_all = A.stats.holm(np.array([float(r.p_value) for _, _, r, _ in found]))
-    lines = [
-        "# Pre-registered primary rows of every committed study",
-        "",
-        "Written by `qkgeom verdicts docs/results` from each study's committed claims (its current statistics:",
-        "claims.csv, or a re-derived table of its primaries such as family-cpu's family_claims_v2.csv) and the",
-        "primary family its pre-registration names (`[analysis] primary`). p: the row's own test as committed",
-        "(t-test over seeds; the causal rows' sign test). p (sign-flip): exact, from the committed per-seed",
-        "values; floor: the smallest p n seeds can reach. A verdict whose floor is >= 0.05 (n <= 5) reads",
-        "`(parametric only)`: no distribution-free test at that n can reach 0.05, so it rests on normality.",
-        "Holm (study), over the study's primary family, is the error control: a holds/fails verdict whose",
-        "Holm p is >= 0.05 does not survive it. Holm (all studies) is descriptive and moves as studies are",
-        "added. records: whether the row re-derives from committed per-run records (tests/test_records.py).",
-        "",
-        "| study | id | claim | group | window | measured [95% CI] | n | verdict | p | p (sign-flip) | floor "
-        "| p (Holm, study) | survives Holm (study) | p (Holm, all studies; descriptive) | records |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for (study, cid, r, recorded), p_a in zip(found, p_all, strict=True):
-        ci = f" [{_fmt(r.ci_low)}, {_fmt(r.ci_high)}]" if pd.notna(r.ci_low) else ""
-        seeds = re.search(r"per-seed (?:[a-z]+ )?\[([^\]]*)\]", str(r.detail))
-        v = np.array([float(x) for x in seeds.group(1).split(",")]) if seeds else np.array([])
-        flip, floor = A.stats.sign_flip_p(v) if len(v) else (np.nan, np.nan)
-        judged = r.verdict in ("holds", "fails")
-        survives = ("yes" if r.p_holm < 0.05 else "no") if judged else ""
-        lines.append(
-            f"| {study} | {cid} | {r.claim} | {r.group} | {r.window} | {_fmt(r.value)}{ci} | {r.n} | "
-            f"{A.n_aware(r.verdict, floor)} | {_fmt(r.p_value)} | {_fmt(flip)} | {_fmt(floor)} | {_fmt(r.p_holm)} | "
-            f"{survives} | {_fmt(p_a)} | {'yes' if recorded else 'not re-derivable'} |"
-        )
-    if amended:  # a pre-registration amended after its records: every registered version, oldest first
-        lines += [
-            "",
-            "Pre-registration versions (registered amendments; the records keep the digest they were judged under):",
-            "",
-        ]
-        lines += [f"- {study} v{v['version']}{' (' + v['registered'] + ')' if v.get('registered') else ''}: "
-                  f"{v['note']}" for study, v in amended]  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return claims, table, write_page(out, f"ladder {path.name}", parts)

@@ -55,10 +55,12 @@ def wikitext_mirror() -> Path:
 
 
 def cache_dir() -> Path:
+    """Where downloaded corpora are cached: $QKGEOM_CACHE, default ~/.cache/qkgeom."""
     return Path(os.environ.get("QKGEOM_CACHE", Path.home() / ".cache" / "qkgeom"))
 
 
 def file_digest(path: Path, algo: str = "sha256") -> str:
+    """The hex digest of a file's bytes, read in chunks."""
     h = hashlib.new(algo)
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):

@@ -171,6 +171,7 @@ def _with_baseline(spec: SweepSpec, r: RunSpec, runs: list[RunSpec]) -> RunSpec:
 
 
 def write_manifest(spec: SweepSpec, runs: list[RunSpec], out: Path) -> None:
+    """sweep.json: the expanded grid (and the study's [analysis]), written before any run."""
     write_json(
         out / SWEEP_MANIFEST,
         {
@@ -216,6 +217,7 @@ def _chunks(order: str, todo: list[RunSpec], workers: int) -> list[list[RunSpec]
 
 
 def default_workers(n_runs: int) -> int:
+    """One worker per CPU core, never more than there are runs."""
     return max(1, min(n_runs, os.cpu_count() or 1))
 
 

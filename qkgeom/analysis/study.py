@@ -1,0 +1,218 @@
+"""The study driver: a folder of runs (or their records) in, judged tables out. `analyze` writes
+summary, claims, verdicts (and the study's own tables) beside the runs; `verdicts` is the verdict
+table; `ladder_tables` does the same for a token ladder; the format_* functions are what the command
+line prints. Nothing here draws: report.study renders these tables (measure < judge < draw).
+
+<dir>/summary.parquet|csv   seed-averaged layer trajectories
+<dir>/claims.parquet|csv    the claims table (main and/or intervention study)
+<dir>/verdicts.csv          one line per judged claim (verdicts)
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from qkgeom.analysis import causal, matched
+from qkgeom.analysis import claims as A
+from qkgeom.analysis.prereg import study_analysis
+from qkgeom.results import SWEEP_MANIFEST, read_json, write_table
+
+
+@dataclass
+class Analysis:
+    path: Path
+    geometry: pd.DataFrame
+    metrics: pd.DataFrame
+    trajectories: pd.DataFrame
+    claims: pd.DataFrame
+    sensitivity: pd.DataFrame
+    skipped: list[str] = field(default_factory=list)
+    horizon: pd.DataFrame | None = None
+    # what the figures draw, computed here by the analysis (the report only draws)
+    per_run: pd.DataFrame | None = None  # per (run, layer) post-transient statistics of the none runs
+    slope_depth: pd.DataFrame | None = None  # claims.slope_by_depth of per_run: mean and 95% t by relative depth
+    dose_points: pd.DataFrame | None = None  # per (seed, arm) window means (intervention studies)
+    dose_slopes: pd.DataFrame | None = None  # per seed dose-response fit
+    dose_summary: dict | None = None  # their mean, 95% t-interval and n (causal.dose_summary)
+    matched_dose: pd.DataFrame | None = None  # causal v4: per (layer, arm) dose and entropy vs sham, 95% t
+
+    @property
+    def is_intervention(self) -> bool:
+        return self.geometry["intervention"].nunique() > 1
+
+
+def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None = None) -> Analysis:
+    """Load every finished run under `path`, compute trajectories and claims, write the tables.
+    extra: claims parts a higher wing adds (families.study.analyze_study: a family study's trends)."""
+    path = Path(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", A.RunWarning)
+        geometry, metrics = A.load_runs(path), A.load_metrics(path)
+    skipped = sorted({str(w.message) for w in caught if issubclass(w.category, A.RunWarning)})
+    geometry = A.with_transient(geometry)
+    traj = A.trajectories(geometry)
+    parts = []
+    tables = {}
+    if geometry["intervention"].nunique() > 1:
+        parts.append(causal.claims_intervention(geometry, metrics))
+    if matched.is_matched_study(geometry):  # causal v4: closed-loop arms against a sham, per layer
+        parts.append(matched.claims_matched(geometry, metrics))
+        tables["matched_dose"] = matched.dose_table(geometry)
+    base = geometry[geometry["intervention"] == "none"]
+    sens = pd.DataFrame(columns=A.CLAIM_COLUMNS)
+    if len(base) and (base["n_layers"].nunique() > 1 or base["qk_init"].nunique() > 1 or not parts):
+        parts.append(A.claims_main(base))
+        sens = A.sensitivity(base)
+        tables |= {"sensitivity": sens, "seed_agreement": A.seed_agreement(base), "horizon": A.horizon(base)}
+    if extra is not None:
+        parts += extra(path)
+    claims = pd.concat(parts, ignore_index=True)
+    pre = study_analysis(path)
+    claims = A.apply_margin(claims, float(pre.get("margin", np.nan)))  # the pre-registered TOST margin, if any
+    claims = A.numeric_columns(A.adjust_primary(claims, pre.get("primary", [])))
+    tables["verdicts"] = verdicts(claims)
+    if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
+        tables["scale_check"] = claims[claims["claim"].str.contains(" - sham: (?:scale check|delivered dose)")]
+    for name, df in {"summary": traj, "claims": claims, **tables}.items():
+        write_table(path, name, df, parquet=True)
+    per_run = A.per_run_statistics(A.window(base if len(base) else geometry, "post-transient"))
+    points = causal.dose_points(geometry) if geometry["intervention"].nunique() > 1 else None
+    fits = causal.dose_response(points) if points is not None else None
+    return Analysis(
+        path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"), per_run=per_run,
+        slope_depth=A.slope_by_depth(per_run) if len(per_run) else None, dose_points=points, dose_slopes=fits,
+        dose_summary=causal.dose_summary(fits) if fits is not None and len(fits) else None,
+        matched_dose=tables.get("matched_dose"),
+    )  # fmt: skip
+
+
+VERDICT_WINDOWS = ("post-transient", "final", "post-transient mean", "post-transient, loss-matched")
+# The groups a verdict table shows: pooled, the relative-depth bands, and the causal estimates.
+CAUSAL_GROUPS = tuple(f"none + contract/expand on {t}" for t in causal.TARGET.values())
+VERDICT_GROUPS = ("all", "mean over layers", *A.LAYER_BANDS, *CAUSAL_GROUPS)
+
+
+def fmt(v: float) -> str:
+    """A number as the verdict tables print it: three significant digits, blank for NaN."""
+    return "" if pd.isna(v) else f"{v:.3g}"
+
+
+def verdicts(claims: pd.DataFrame, select: bool = True) -> pd.DataFrame:
+    """One line per judged claim: predicted direction, measured effect [95% interval], n, seeds
+    agreeing, mde_80 and what an inconclusive verdict rules out, window and verdict. Groups: pooled
+    (`all` / `mean over layers`), the relative-depth bands and the causal estimates."""
+    sel = claims
+    if select:
+        sel = claims[
+            (claims["verdict"] != "") & claims["group"].isin(VERDICT_GROUPS) & claims["window"].isin(VERDICT_WINDOWS)
+        ]
+        # by depth band, the slopes only (the other claims per band stay in the full claims table)
+        sel = sel[~sel["group"].isin(list(A.LAYER_BANDS)) | sel["claim"].str.contains("slope of")]
+        # causal v4's per-layer rows against the sham (analysis.matched)
+        per_layer = claims[(claims["verdict"] != "") & claims["claim"].str.contains(" - sham: ")]
+        sel = pd.concat([sel, per_layer[~per_layer.index.isin(sel.index)]])
+        is_family = (claims["study"] == "family") & claims["claim"].str.match(r"F[1-4] ") & (claims["verdict"] != "")
+        sel = pd.concat([claims[is_family], sel])  # a family study's primary claims (families/study.py) lead
+    mde = pd.to_numeric(sel.get("mde_80", pd.Series(np.nan, index=sel.index)), errors="coerce")
+    interval = [
+        "" if pd.isna(lo) else f" [{fmt(lo)}, {fmt(hi)}]"
+        for lo, hi in sel[["ci_low", "ci_high"]].itertuples(index=False)
+    ]
+    p_raw = pd.to_numeric(sel["p_value"], errors="coerce")
+    p_holm = pd.to_numeric(sel["p_holm"], errors="coerce") if "p_holm" in sel else pd.Series(np.nan, index=sel.index)
+    nan = pd.Series(np.nan, index=sel.index)
+    p_flip = pd.to_numeric(sel["p_sign_flip"], errors="coerce") if "p_sign_flip" in sel else nan
+    p_floor = pd.to_numeric(sel["p_floor"], errors="coerce") if "p_floor" in sel else nan
+    return pd.DataFrame(
+        {
+            "claim": sel["claim"],
+            "group": sel["group"],
+            "predicted": sel["predicted"],
+            "measured [95% CI]": [f"{fmt(v)}{i}" for v, i in zip(sel["value"], interval, strict=True)],
+            "n": sel["n"],
+            "seeds agreeing": sel["seeds_agreeing"],
+            "mde_80": mde.map(fmt),
+            "window": sel["window"],
+            "verdict": [A.n_aware(v, f) for v, f in zip(sel["verdict"], p_floor, strict=True)],
+            "primary": sel["primary"] if "primary" in sel else "",
+            "p": p_raw.map(fmt),
+            "p (exact sign-flip)": p_flip.map(fmt),
+            "p (Holm, primary)": p_holm.map(fmt),
+            "reading": sel["reading"] if "reading" in sel else "",
+        }
+    ).reset_index(drop=True)
+
+
+def format_verdicts(claims: pd.DataFrame) -> str:
+    """The verdict table as aligned text: what `qkgeom study` ends with."""
+    return format_verdict_table(verdicts(claims))
+
+
+def format_verdict_table(table: pd.DataFrame) -> str:
+    """A verdict table (verdicts, verdicts_ladder) as aligned text, without the reading column."""
+    table = table.drop(columns=["reading"])
+    with pd.option_context("display.width", 250, "display.max_colwidth", 80, "display.max_rows", 500):
+        return "VERDICTS (mde_80: the smallest effect each row could detect)\n" + table.to_string(index=False)
+
+
+def format_claims(claims: pd.DataFrame) -> str:
+    """The verdicts first, then the claims table per group, as aligned text for the terminal."""
+    show = claims[~claims["group"].str.startswith("layer=")].copy()
+    for c in ("value", "ci_low", "ci_high"):
+        show[c] = show[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
+    show["ci"] = np.where(show["ci_low"] != "", "[" + show["ci_low"] + ", " + show["ci_high"] + "]", "")
+    cols = ["claim", "group", "window", "value", "ci", "n", "seeds_agreeing", "verdict"]
+    with pd.option_context("display.width", 250, "display.max_colwidth", 70, "display.max_rows", 500):
+        return (
+            "VERDICTS\n"
+            + verdicts(claims).to_string(index=False)
+            + "\n\nALL CLAIMS\n"
+            + show[cols].to_string(index=False)
+        )
+
+
+def verdicts_ladder(claims: pd.DataFrame) -> pd.DataFrame:
+    """The ladder's verdict table: every judged row (primary first), in the shape of `verdicts`."""
+    sel = claims[claims["verdict"].astype(str) != ""]
+    sel = pd.concat([sel[sel["primary"] != ""], sel[sel["primary"] == ""]])
+    return verdicts(sel, select=False)
+
+
+LADDER_TABLE = "ladder_key_slopes"
+
+
+def ladder_tables(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict]:
+    """A token ladder's claims (analysis.ladder) with the pre-registration's margin and Holm family,
+    written as claims.csv, verdicts.csv and ladder_key_slopes.csv beside the runs (or their records).
+    Returns (claims, verdict table, local-slope summary, facts for the page: runs, planned, seeds,
+    budgets, skipped-run warnings)."""
+    from qkgeom.analysis import ladder as L
+
+    path = Path(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", A.RunWarning)
+        g, m = L.load_ladder(path)
+    pre = study_analysis(path)
+    sweep = path / SWEEP_MANIFEST
+    planned = len(read_json(sweep)["runs"]) if sweep.is_file() else None
+    claims = L.claims_ladder(g, m, float(pre.get("margin", np.nan)), planned)
+    claims = A.numeric_columns(A.adjust_primary(claims, pre.get("primary", [])))
+    table = verdicts_ladder(claims)
+    write_table(path, "claims", claims)
+    write_table(path, "verdicts", table)
+    summary = L.local_slope_summary(L.local_slopes(g))
+    write_table(path, LADDER_TABLE, summary)
+    facts = {
+        "runs": g["run_id"].nunique(),
+        "planned": planned,
+        "seeds": g["seed"].nunique(),
+        "budgets": sorted(g["budget_m"].unique()),
+        "skipped": sorted({str(w.message) for w in caught if issubclass(w.category, A.RunWarning)}),
+    }
+    return claims, table, summary, facts

@@ -1,0 +1,118 @@
+"""docs/results/VERDICTS.md: every pre-registered primary row of every committed study, under its
+current statistics, judged and Holm-adjusted (`qkgeom verdicts docs/results`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from qkgeom.analysis import claims as A
+from qkgeom.analysis.prereg import check_records, registered_versions, study_analysis
+from qkgeom.analysis.study import fmt
+from qkgeom.results import RECORDS_DIR, DamagedRunError
+
+CLAIMS_NEEDED = ("claim", "group", "window", "value", "ci_low", "ci_high", "n", "verdict", "p_value", "detail")
+
+
+def _committed_claims(path: Path) -> pd.DataFrame:
+    """A committed claims.csv, refused in one line (DamagedRunError) where it is truncated or garbled."""
+    if not path.read_bytes().endswith(b"\n"):  # every table qkgeom writes ends its last row
+        raise DamagedRunError(f"{path} is damaged (its last row is cut off); re-derive it with qkgeom analyze")
+    try:
+        claims = pd.read_csv(path, keep_default_na=False, na_values=[""])
+    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as e:
+        raise DamagedRunError(
+            f"{path} is damaged ({str(e).splitlines()[0]}); re-derive it with qkgeom analyze"
+        ) from None
+    lost = [c for c in CLAIMS_NEEDED if c not in claims.columns]
+    if lost or claims["p_value"].map(lambda v: isinstance(v, str) and v != "").any():
+        what = f"no column {lost[0]!r}" if lost else "a p_value that is not a number"
+        raise DamagedRunError(f"{path} is damaged ({what}; truncated?); re-derive it with qkgeom analyze")
+    claims["verdict"] = claims["verdict"].fillna("")
+    return claims
+
+
+def current_claims(d: Path) -> pd.DataFrame:
+    """A committed study's claims as its current statistics give them: claims.csv, with the rows of its
+    newest re-derived table of primaries (`*claims_v<N>.csv`, N >= 2, e.g. family-cpu's v2 Fisher-z
+    rows re-derived from its per-seed table) in place of the rows of the same claim."""
+    claims = _committed_claims(d / "claims.csv")
+    newer = sorted(
+        (f for f in d.glob("*claims_v*.csv") if re.search(r"_v(\d+)\.csv$", f.name)),
+        key=lambda f: int(re.search(r"_v(\d+)\.csv$", f.name).group(1)),
+    )
+    newer = [f for f in newer if int(re.search(r"_v(\d+)\.csv$", f.name).group(1)) >= 2]
+    if newer:
+        v2 = _committed_claims(newer[-1])
+        claims = pd.concat([v2, claims[~claims["claim"].isin(set(v2["claim"]))]], ignore_index=True)
+    return claims
+
+
+def verdicts_index(root: str | Path) -> str:
+    """docs/results/VERDICTS.md: every pre-registered primary row of every committed study under its
+    current statistics (current_claims), with its raw p, the exact sign-flip p from its per-seed values
+    (and the smallest p its n can reach), its n-aware verdict (analysis.claims.n_aware), Holm over the
+    study's primary family (the error control) and, descriptively, over every study's primary rows
+    together; whether the row re-derives from committed per-run records. A pre-registered primary that
+    matches no row is an error (a reworded claim would otherwise leave its Holm family in silence)."""
+    root = Path(root)
+    found = []
+    amended = []
+    for d in sorted(p for p in root.iterdir() if (p / "claims.csv").is_file()):
+        spec = study_analysis(d, by_name=True).get("primary", [])
+        if not spec:
+            continue
+        check_records(d)  # records judged under another pre-registration, or bent: refused
+        amended += [(d.name, v) for v in registered_versions(d)]
+        claims = A.adjust_primary(current_claims(d), spec)
+        for spec_row in spec:
+            rows = claims[claims["primary"] == spec_row["id"]]
+            if rows.empty:
+                raise A.AnalysisError(
+                    f"{d.name}: pre-registered primary {spec_row['id']} ({spec_row['claim']!r}) matches no row "
+                    "of its claims.csv"
+                )
+            for r in rows.itertuples(index=False):
+                found.append((d.name, spec_row["id"], r, (d / RECORDS_DIR).is_dir()))
+    p_all = A.stats.holm(np.array([float(r.p_value) for _, _, r, _ in found]))
+    lines = [
+        "# Pre-registered primary rows of every committed study",
+        "",
+        "Written by `qkgeom verdicts docs/results` from each study's committed claims (its current statistics:",
+        "claims.csv, or a re-derived table of its primaries such as family-cpu's family_claims_v2.csv) and the",
+        "primary family its pre-registration names (`[analysis] primary`). p: the row's own test as committed",
+        "(t-test over seeds; the causal rows' sign test). p (sign-flip): exact, from the committed per-seed",
+        "values; floor: the smallest p n seeds can reach. A verdict whose floor is >= 0.05 (n <= 5) reads",
+        "`(parametric only)`: no distribution-free test at that n can reach 0.05, so it rests on normality.",
+        "Holm (study), over the study's primary family, is the error control: a holds/fails verdict whose",
+        "Holm p is >= 0.05 does not survive it. Holm (all studies) is descriptive and moves as studies are",
+        "added. records: whether the row re-derives from committed per-run records (tests/test_records.py).",
+        "",
+        "| study | id | claim | group | window | measured [95% CI] | n | verdict | p | p (sign-flip) | floor "
+        "| p (Holm, study) | survives Holm (study) | p (Holm, all studies; descriptive) | records |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (study, cid, r, recorded), p_a in zip(found, p_all, strict=True):
+        ci = f" [{fmt(r.ci_low)}, {fmt(r.ci_high)}]" if pd.notna(r.ci_low) else ""
+        seeds = re.search(r"per-seed (?:[a-z]+ )?\[([^\]]*)\]", str(r.detail))
+        v = np.array([float(x) for x in seeds.group(1).split(",")]) if seeds else np.array([])
+        flip, floor = A.stats.sign_flip_p(v) if len(v) else (np.nan, np.nan)
+        judged = r.verdict in ("holds", "fails")
+        survives = ("yes" if r.p_holm < 0.05 else "no") if judged else ""
+        lines.append(
+            f"| {study} | {cid} | {r.claim} | {r.group} | {r.window} | {fmt(r.value)}{ci} | {r.n} | "
+            f"{A.n_aware(r.verdict, floor)} | {fmt(r.p_value)} | {fmt(flip)} | {fmt(floor)} | {fmt(r.p_holm)} | "
+            f"{survives} | {fmt(p_a)} | {'yes' if recorded else 'not re-derivable'} |"
+        )
+    if amended:  # a pre-registration amended after its records: every registered version, oldest first
+        lines += [
+            "",
+            "Pre-registration versions (registered amendments; the records keep the digest they were judged under):",
+            "",
+        ]
+        lines += [f"- {study} v{v['version']}{' (' + v['registered'] + ')' if v.get('registered') else ''}: "
+                  f"{v['note']}" for study, v in amended]  # fmt: skip
+    return "\n".join(lines) + "\n"
