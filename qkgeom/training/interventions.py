@@ -447,15 +447,22 @@ class SpectrumControl:
         return out
 
     def state_dict(self) -> dict:
+        """What a resumed run needs to steer exactly as an uninterrupted one: the initial spectra, the
+        running covariance and the closed loop's cached inputs."""
         state = {"sv0": {str(k): v for k, v in self.sv0.items()}}
         if self.cov is not None:
             state["cov"] = self.cov.state_dict()
+        if isinstance(self.row_std_inputs, CachedInputs):
+            state["row_std_inputs"] = self.row_std_inputs.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore state_dict's state (set row_std_inputs before, as the training loop does)."""
         self.sv0 = {int(k): v for k, v in state["sv0"].items()}
         if self.cov is not None and "cov" in state:
             self.cov.load_state_dict(state["cov"])
+        if isinstance(self.row_std_inputs, CachedInputs) and "row_std_inputs" in state:
+            self.row_std_inputs.load_state_dict(state["row_std_inputs"])
         self._sv0_all = None
 
 
@@ -603,6 +610,14 @@ class CachedInputs:
         if self.inputs is None or step in self.exact or step - self.at >= self.every:
             self.inputs, self.at = attention_inputs(self.model, self.idx), step
         return self.inputs
+
+    def state_dict(self) -> dict:
+        """The cached inputs and their step: a resumed run refreshes them when the uninterrupted one would."""
+        return {"at": self.at, "inputs": None if self.inputs is None else {str(k): v for k, v in self.inputs.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.at = int(state["at"])
+        self.inputs = None if state["inputs"] is None else {int(k): v for k, v in state["inputs"].items()}
 
 
 @torch.no_grad()
