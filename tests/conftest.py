@@ -58,3 +58,28 @@ def need(module: str):
         if os.environ.get("CI"):
             pytest.fail(msg)
         pytest.skip(msg)
+
+
+def tiny_llama_module(vocab: int, ctx: int):
+    """A LightningModule around a tiny random Llama (rotary and grouped-query attention: two q/k sites),
+    trained on its own input ids; for the Lightning callback tests."""
+    import lightning as L
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    class LM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            config = LlamaConfig(
+                vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=ctx,
+            )  # fmt: skip
+            self.model = LlamaForCausalLM(config)
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    return LM()

@@ -62,25 +62,10 @@ def test_trainer_callback_runs_to_analyze_and_report(tmp_path, capsys):
 
 def test_lightning_callback_runs_to_analyze_and_report(tmp_path, capsys):
     import lightning as L
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from qkgeom.cli import main
     from qkgeom.integrations.lightning import QKGeometryCallback
-
-    class LM(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            config = LlamaConfig(
-                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=T,
-            )  # fmt: skip
-            self.model = LlamaForCausalLM(config)  # rotary and grouped-query attention: two q/k sites
-
-        def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+    from tests.conftest import tiny_llama_module
 
     for seed in (0, 1):
         L.seed_everything(seed, verbose=False)
@@ -89,7 +74,7 @@ def test_lightning_callback_runs_to_analyze_and_report(tmp_path, capsys):
             max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, accumulate_grad_batches=2, callbacks=[callback],
         )  # fmt: skip
-        trainer.fit(LM(), torch.utils.data.DataLoader(blocks(), batch_size=B))
+        trainer.fit(tiny_llama_module(VOCAB, T), torch.utils.data.DataLoader(blocks(), batch_size=B))
     g = pd.read_parquet(tmp_path / "runs" / "seed0" / "geometry.parquet")
     # two micro-batches per optimiser step: each step is probed once
     assert sorted(g["step"].unique()) == [0, 1, 2, 4, 5, 10, 12]

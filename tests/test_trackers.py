@@ -106,24 +106,9 @@ def test_a_lightning_run_sends_the_scalars_through_each_logger(tmp_path):
     lightning = need("lightning")
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
     from mlflow.tracking import MlflowClient
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from qkgeom.integrations.lightning import QKGeometryCallback
-
-    class LM(lightning.LightningModule):
-        def __init__(self):
-            super().__init__()
-            config = LlamaConfig(
-                vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=T,
-            )  # fmt: skip
-            self.model = LlamaForCausalLM(config)
-
-        def training_step(self, batch, batch_idx):
-            return self.model(input_ids=batch, labels=batch).loss
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=3e-3)
+    from tests.conftest import tiny_llama_module
 
     store = f"sqlite:///{tmp_path / 'mlflow.db'}"
     mlf, csv = MLFlowLogger(experiment_name="qk", tracking_uri=store), CSVLogger(tmp_path / "csv")
@@ -133,7 +118,7 @@ def test_a_lightning_run_sends_the_scalars_through_each_logger(tmp_path):
         max_steps=10, accelerator="cpu", logger=[mlf, csv], enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, callbacks=[QKGeometryCallback(blocks()[:4], run, every=5)],
     )  # fmt: skip
-    trainer.fit(LM(), torch.utils.data.DataLoader(blocks(), batch_size=B))
+    trainer.fit(tiny_llama_module(VOCAB, T), torch.utils.data.DataLoader(blocks(), batch_size=B))
     expected = folder_means(run)
     assert sorted(expected) == [0, 1, 2, 4, 5, 10]
     assert read_json(run / "done.json")["scalars_sent"] == {"MLFlowLogger": 6, "CSVLogger": 6}

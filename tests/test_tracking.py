@@ -67,7 +67,8 @@ def test_probe_rows_match_an_independent_recomputation_and_leave_the_model_as_it
     info = read_json(out / "config.json")
     assert info["config"]["model"]["n_layers"] == 2 and info["model_config"]["n_embd"] == 32  # what was probed
     assert info["config"]["probe"] == {
-        "every": 10, "log_early": True, "n_seqs": 4, "seq_len": T, "logit_max_seqs": 4, "pr_convention": "variance"
+        "every": 10, "log_early": True, "n_seqs": 4, "seq_len": T, "logit_max_seqs": 4, "pr_convention": "variance",
+        "alpha_convention": "weightwatcher",
     }  # fmt: skip
     assert (out / "done.json").is_file() and not (out / "geometry.parts").exists()
 
@@ -127,7 +128,7 @@ def test_tensorboard_scalars_equal_the_parquet_rows(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     metrics = ["query_participation_ratio", "key_participation_ratio", "participation_ratio_contrast",
-               "attention_entropy", "interaction_rank"]  # fmt: skip
+               "attention_entropy", "interaction_rank", "query_weight_alpha", "key_weight_alpha"]  # fmt: skip
     assert sorted(events.Tags()["scalars"]) == sorted(f"qkgeom/{m}" for m in metrics)
     for metric in metrics:
         expected = g[(g["metric"] == metric) & (g["head"] == -1)].groupby("step")["value"].mean()
