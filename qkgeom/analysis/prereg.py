@@ -69,13 +69,10 @@ def digest(path: str | Path) -> dict[str, str]:
     """sha256 of each text that pre-registers the study in `path`, keyed by what it is: the study
     file, preregistration.toml, and the [analysis] table as the analysis reads it (canonical JSON)."""
     path = Path(path)
-    out = {}
-    for f in (study_file(path), path / PREREGISTRATION):
-        if f is not None and f.is_file():
-            out[f.name] = _sha(f.read_bytes())
-    source = SWEEP_MANIFEST if (path / SWEEP_MANIFEST).is_file() else PREREGISTRATION
-    if source == PREREGISTRATION and not (path / PREREGISTRATION).is_file():
-        source = f.name if (f := study_file(path)) is not None else "no file"
+    texts = [f for f in (study_file(path), path / PREREGISTRATION) if f is not None and f.is_file()]
+    out = {f.name: _sha(f.read_bytes()) for f in texts}
+    # where study_analysis reads [analysis] from: the manifest, else preregistration.toml, else the study file
+    source = SWEEP_MANIFEST if (path / SWEEP_MANIFEST).is_file() else texts[-1].name if texts else "no file"
     out[f"{source} [analysis]"] = _sha(json.dumps(study_analysis(path, by_name=True), sort_keys=True).encode())
     return out
 
@@ -134,7 +131,7 @@ def _check_digests(path: Path) -> None:
             f"{path}: the pre-registration ({', '.join(changed)}) changed after its records were written "
             f"(record {rid} was judged under {judged.get(changed[0], 'none')[:12]}, now "
             f"{now.get(changed[0], 'none')[:12]}); restore it, or register the change as a new version "
-            f"(qkgeom.analysis.prereg.register_version)"
+            f"(qkgeom amend {path} --note ...)"
         )
 
 
