@@ -260,6 +260,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     if _ladder(args.dir):
         return 0
     a = _analyze(args.dir)
+    if a.blind:
+        print(f"BLIND: {a.blind} (the checks below; outcomes are read at the registered n)\n")
     print(format_claims(a.claims))
     n_traj = a.trajectories.groupby(["intervention", "qk_init", "n_layers", "layer"]).ngroups
     print(
@@ -326,6 +328,8 @@ def cmd_study(args: argparse.Namespace) -> int:
         return 1 if res.failed else 0
     a = _analyze(out)
     report = write_report(a, family_study_section(out))
+    if a.blind:
+        print(f"BLIND: {a.blind}")
     print(format_verdicts(a.claims))
     print(f"\nall claims: {out / 'claims.csv'} (or qkgeom analyze {out})\nreport: {report}")
     return 1 if res.failed else 0

@@ -206,10 +206,15 @@ class InterventionConfig:
     it: the arm changes spectrum shape only. Any kind but temperature."""
     match_row_std: bool = False
     """Closed-loop logit scale (causal v4): after the projection, rescale W_Q^h and W_K^h by one factor
-    so the head's per-row logit std on the training batch's causal rows (its first 4 sequences) equals
-    the same seed's none run's `logit_row_std` at that step, interpolated between its probes: the
-    statistic the scale check reads is the one held. Shape, hold, contract or expand; needs the none
-    run (reference = 'baseline'). Arm labels end in `:closed`."""
+    so the head's per-row logit std on the control set (control_seqs) equals the same seed's none run's
+    on that set at that step, interpolated between its probes. Shape, hold, contract or expand; needs
+    the none run (reference = 'baseline'). Arm labels end in `:closed`."""
+    control_seqs: int = 0
+    """The closed loop's control set. 0: the probe batch's first 4 validation sequences (causal v4 as
+    first registered: the scale check then reads the very rows the loop sets, so it cannot fail). N > 0:
+    N fixed sequences of the *training* split, disjoint from every validation measure (probe, scale
+    check, entropy, validation loss); every run with it set, the none run included, records its per-row
+    logit std there at each probe (`logit_row_std_control`), which is what the closed loop tracks."""
     floor: float = 1.5
     """shape: targets below this PR are raised to it (a PR of 1 is a rank-1 clamp); such heads are
     flagged in the probe rows (`key_participation_ratio_floor_raised`)."""
@@ -423,6 +428,7 @@ HASHED_ONLY_IF_SET = {
     "intervention.floor": 1.5,
     "intervention.cov_decay": 0.9,
     "intervention.instant": [],
+    "intervention.control_seqs": 0,
     "probe.pr_convention": "variance",
     "probe.alpha_convention": "weightwatcher",
 }
@@ -540,6 +546,9 @@ def validate(cfg: RunConfig) -> None:
         "intervention.match_row_std tracks the none run: it needs intervention.reference = 'baseline'",
     )
     need(iv.floor >= 1, f"intervention.floor must be >= 1 (a PR), got {iv.floor}")
+    need(
+        iv.control_seqs >= 0, f"intervention.control_seqs must be >= 0 (0 = the probe's first 4), got {iv.control_seqs}"
+    )
     need(0 <= iv.cov_decay < 1, f"intervention.cov_decay must be in [0, 1), got {iv.cov_decay}")
     for label in iv.instant:
         arm_config(label)  # raises ConfigError naming a malformed label

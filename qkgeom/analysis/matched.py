@@ -9,8 +9,13 @@ per-row logit std); and a temperature arm (the scale calibration, read against n
 Every contrast is arm - sham, paired by seed, **per controlled layer** (a pooled mean let opposite
 layers cancel in causal-shape-cpu), over one window per seed (from its none run's transient end):
 
-1. **Scale check**: log(arm / sham) of the per-row logit std (logit_row_std, the statistic the closed
-   loop holds); `scale matched` only if its 90% t-interval lies inside +-log 1.05 (TOST).
+1. **Scale check (K1)**: log(arm / sham) of the per-row logit std (logit_row_std) on the probe batch;
+   `scale matched` only if its 90% t-interval lies inside +-log 1.05 (TOST). With a control set
+   (intervention.control_seqs > 0) the loop fits on training text and the probe batch is validation
+   text it never saw: the check can fail. Without one (v4 as first registered) it reads the rows the
+   loop set, an identity, and says so in its detail. Beside it, disclosed and not gating: two other
+   notions of scale (the input-weighted logit variance, input_logit_scale; the spread of the row std
+   across queries, logit_row_std_cv) and what the controller's fit did on its own control set.
 2. **Delivered dose**: log(arm / sham) of the per-head activation PR_K (the PR the control steers,
    averaged over the layer's heads); `manipulation ok` only if its 95% interval lies on the intended
    side (restrict down, widen up, hold up).
@@ -18,8 +23,12 @@ layers cancel in causal-shape-cpu), over one window per seed (from its none run'
    sign (restricting sharpens: -, widening and holding soften: +), read only where 1 and 2 pass in
    that layer; otherwise its numbers stay, its verdict names the failed check.
 
-Reported beside them: none - sham (what being under the control does), and per arm the zero-training
-complement (its map on the none runs' own weights) against the learned effect.
+Reported beside them: the sham's own validity (none - sham per controlled layer: entropy, row std,
+PR_K), the uncontrolled layers of every arm, the temperature arm against none per layer (the scale
+calibration), and per arm the zero-training complement against the learned effect.
+
+**Blind until complete.** While fewer seeds than registered are recorded, `blind` drops every outcome
+row (entropy, loss, the complement) and keeps the checks: the primaries are read once, at full n.
 """
 
 from __future__ import annotations
@@ -39,6 +48,9 @@ from qkgeom.analysis.runs import INSTANT_METRIC
 
 SHAM = "shape:activation:1:closed"  # the sham arm's label (config.arm_label)
 ROW_STD_TARGET = "logit_row_std_target"  # logged by the closed loop for its controlled heads
+CONTROL_ROW_STD = "logit_row_std_control"  # interventions.CONTROL_ROW_STD_METRIC: the fit set's row std
+# what an outcome row's claim names: hidden while a study is incomplete (blind)
+OUTCOME_WORDS = ("attention entropy", "validation loss", "instantaneous", "learned effect")
 
 
 def is_matched_study(df: pd.DataFrame) -> bool:
@@ -95,20 +107,40 @@ def _row(v: pd.Series, claim: str, layer: int | str, sign: int | None, note: str
     return row
 
 
-def scale_check(std: pd.Series, arm: str, layer: int, note: str) -> dict | None:
+def scale_check(std: pd.Series, arm: str, layer: int, note: str, held_out: bool = True) -> dict | None:
     """log(arm / sham) of the per-row logit std at one layer: `scale matched` if its 90% interval lies
-    inside +-log 1.05 (TOST), else `scale not matched`."""
+    inside +-log 1.05 (TOST), else `scale not matched`. held_out: whether the probe batch is text the
+    closed loop never fitted on (a control set); if not, the detail says the check is an identity."""
     v = paired(std, arm, SHAM, layer, log=True)
     if v.empty:
         return None
     lo, hi, ok = stats.tost(v.to_numpy(), SCALE_MARGIN)
     row = _row(v, f"{arm} - sham: scale check, log per-row logit std (TOST +-5%)", layer, None, note)
+    where = ("held-out validation text (the loop fits on training text)" if held_out
+             else "the rows the loop sets (no control set: an identity, cannot fail)")  # fmt: skip
     row.update(
         verdict="scale matched" if ok else "scale not matched",
         margin=SCALE_MARGIN,
-        detail=f"90% CI [{lo:.4f}, {hi:.4f}] vs +-{SCALE_MARGIN:.4f}; " + row["detail"],
+        detail=f"90% CI [{lo:.4f}, {hi:.4f}] vs +-{SCALE_MARGIN:.4f}, read on {where}; " + row["detail"],
     )
     return row
+
+
+def scale_secondaries(values: dict[str, pd.Series], arm: str, layer: int, note: str) -> list[dict]:
+    """Disclosed, not gating: arm - sham at one layer in the other notions of scale (input-weighted logit
+    variance in log, the CV of row std across queries) and, with a control set, the loop's own fit there
+    (log row std on the control set: ~0 by construction, shown as what the controller wrote)."""
+    rows = []
+    for metric, what, log in (
+        ("input_logit_scale", "secondary scale, log input-weighted logit variance", True),
+        ("logit_row_std_cv", "secondary scale, CV of per-row logit std across queries", False),
+        (CONTROL_ROW_STD, "controller fit, log per-row logit std on its own control set (not a check)", True),
+    ):
+        if metric in values:
+            v = paired(values[metric], arm, SHAM, layer, log=log)
+            if not v.empty:
+                rows.append(_row(v, f"{arm} - sham: {what}", layer, None, note))
+    return rows
 
 
 def dose_check(pr: pd.Series, arm: str, layer: int, note: str) -> dict | None:
@@ -137,22 +169,23 @@ def claims_matched(df: pd.DataFrame, metrics: pd.DataFrame | None = None) -> pd.
     free = sorted(set(df.loc[df["head"] >= 0, "layer"].unique()) - set(layers))
     std, pr = layer_means(df, "logit_row_std"), layer_means(df, "key_participation_ratio")
     ent = layer_means(df, "attention_entropy")
+    present = set(df["metric"].unique())
+    held_out = CONTROL_ROW_STD in present
+    scales = {m: layer_means(df, m) for m in ("input_logit_scale", "logit_row_std_cv", CONTROL_ROW_STD) if m in present}
     rows: list[dict] = []
     for arm in dose_arms(df):
         _, sign = predicted_signs(arm)
         for layer in layers:
-            checks = [r for r in (scale_check(std, arm, layer, note), dose_check(pr, arm, layer, note)) if r]
+            checks = [r for r in (scale_check(std, arm, layer, note, held_out), dose_check(pr, arm, layer, note)) if r]
             rows += checks
+            rows += scale_secondaries(scales, arm, layer, note)
             failed = [r["verdict"] for r in checks if r["verdict"] in ("scale not matched", "manipulation failed")]
             v = paired(ent, arm, SHAM, layer)
             if v.empty:
                 continue
             kw = {"verdict": failed[0]} if failed or len(checks) < 2 else {}
             rows.append(_row(v, f"{arm} - sham: attention entropy (nats)", layer, sign, note, **kw))
-    for layer in layers:
-        v = paired(ent, "none", SHAM, layer)
-        if not v.empty:
-            rows.append(_row(v, "none - sham: attention entropy (nats), being under the control", layer, None, note))
+    rows += reference_rows(df, ent, std, pr, layers, note)
     for arm in [*dose_arms(df), "none"]:
         for layer in free:
             for what, v in (
@@ -171,6 +204,46 @@ def claims_matched(df: pd.DataFrame, metrics: pd.DataFrame | None = None) -> pd.
                 v = (wide[arm] - wide[SHAM]).dropna()
                 rows.append(_row(v, f"{arm} - sham: final validation loss (nats/char)", "final", None, note))
     return _finish(rows)
+
+
+def reference_rows(
+    df: pd.DataFrame, ent: pd.Series, std: pd.Series, pr: pd.Series, layers: list[int], note: str
+) -> list[dict]:
+    """The references' own rows: the sham's validity (none - sham per controlled layer: entropy, log row
+    std, log PR_K) and the temperature arm against none per layer (the scale calibration)."""
+    rows: list[dict] = []
+    for layer in layers:  # the sham's own validity: what being under the control does, per layer
+        for what, v in (
+            ("attention entropy (nats)", paired(ent, "none", SHAM, layer)),
+            ("log per-row logit std", paired(std, "none", SHAM, layer, log=True)),
+            ("log per-head activation PR_K", paired(pr, "none", SHAM, layer, log=True)),
+        ):
+            if not v.empty:
+                rows.append(_row(v, f"none - sham: {what}, being under the control", layer, None, note))
+    for arm in sorted(a for a in df["intervention"].unique() if parse_arm(a)[0] == "temperature"):
+        for layer in sorted(df.loc[df["head"] >= 0, "layer"].unique()):  # the scale calibration, per layer
+            for what, v in (
+                ("attention entropy (nats)", paired(ent, arm, "none", layer)),
+                ("log per-row logit std", paired(std, arm, "none", layer, log=True)),
+            ):
+                if not v.empty:
+                    rows.append(_row(v, f"{arm} - none: {what}, scale calibration", layer, None, note))
+    return rows
+
+
+def is_outcome(claim: str) -> bool:
+    """Whether a claims row reads an outcome (hidden while the study is blind) rather than a check."""
+    return any(w in claim for w in OUTCOME_WORDS)
+
+
+def seeds_complete(df: pd.DataFrame, planned_arms: int) -> int:
+    """Seeds whose every planned arm is recorded (whole seeds: what the registered n counts)."""
+    return int((df.groupby("seed")["intervention"].nunique() >= planned_arms).sum())
+
+
+def blind(claims: pd.DataFrame) -> pd.DataFrame:
+    """The claims table without its outcome rows (entropy, loss, the zero-training complement)."""
+    return claims[~claims["claim"].map(is_outcome)].reset_index(drop=True)
 
 
 def instant_vs_learned(df: pd.DataFrame, ent: pd.Series, layers: list[int], note: str) -> list[dict]:

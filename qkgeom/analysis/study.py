@@ -41,6 +41,7 @@ class Analysis:
     dose_slopes: pd.DataFrame | None = None  # per seed dose-response fit
     dose_summary: dict | None = None  # their mean, 95% t-interval and n (causal.dose_summary)
     matched_dose: pd.DataFrame | None = None  # causal v4: per (layer, arm) dose and entropy vs sham, 95% t
+    blind: str = ""  # an incomplete study's outcomes hidden: "k of n seeds recorded; primary outcome hidden"
 
     @property
     def is_intervention(self) -> bool:
@@ -59,11 +60,12 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     traj = A.trajectories(geometry)
     parts = []
     tables = {}
-    if geometry["intervention"].nunique() > 1:
-        parts.append(causal.claims_intervention(geometry, metrics))
-    if matched.is_matched_study(geometry):  # causal v4: closed-loop arms against a sham, per layer
+    is_matched = matched.is_matched_study(geometry)
+    if is_matched:  # causal v4: closed-loop arms against a sham, per layer (v3's pooled rows do not apply)
         parts.append(matched.claims_matched(geometry, metrics))
         tables["matched_dose"] = matched.dose_table(geometry)
+    elif geometry["intervention"].nunique() > 1:
+        parts.append(causal.claims_intervention(geometry, metrics))
     base = geometry[geometry["intervention"] == "none"]
     sens = pd.DataFrame(columns=A.CLAIM_COLUMNS)
     if len(base) and (base["n_layers"].nunique() > 1 or base["qk_init"].nunique() > 1 or not parts):
@@ -75,6 +77,13 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     claims = pd.concat(parts, ignore_index=True)
     pre = study_analysis(path)
     claims = A.apply_margin(claims, float(pre.get("margin", np.nan)))  # the pre-registered TOST margin, if any
+    blind = ""
+    if is_matched and (planned := registered_design(path)):
+        done = matched.seeds_complete(geometry, planned[1])
+        if done < planned[0]:  # blind until complete: only the checks are shown
+            blind = f"{done} of {planned[0]} seeds recorded; primary outcome hidden"
+            claims = matched.blind(claims)
+            tables.pop("matched_dose")
     claims = A.numeric_columns(A.adjust_primary(claims, pre.get("primary", [])))
     tables["verdicts"] = verdicts(claims)
     if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
@@ -82,14 +91,29 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     for name, df in {"summary": traj, "claims": claims, **tables}.items():
         write_table(path, name, df, parquet=True)
     per_run = A.per_run_statistics(A.window(base if len(base) else geometry, "post-transient"))
-    points = causal.dose_points(geometry) if geometry["intervention"].nunique() > 1 else None
+    points = causal.dose_points(geometry) if geometry["intervention"].nunique() > 1 and not blind else None
     fits = causal.dose_response(points) if points is not None else None
     return Analysis(
         path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"), per_run=per_run,
         slope_depth=A.slope_by_depth(per_run) if len(per_run) else None, dose_points=points, dose_slopes=fits,
         dose_summary=causal.dose_summary(fits) if fits is not None and len(fits) else None,
-        matched_dose=tables.get("matched_dose"),
+        matched_dose=tables.get("matched_dose"), blind=blind,
     )  # fmt: skip
+
+
+def registered_design(path: Path) -> tuple[int, int] | None:
+    """(seeds, arms) a sweep registered in its manifest (SWEEP_MANIFEST), None where there is none."""
+    from qkgeom.config import arm_label
+
+    f = path / SWEEP_MANIFEST
+    if not f.is_file():
+        return None
+    runs = [r["config"] for r in read_json(f).get("runs", [])]
+    if not runs:
+        return None
+    seeds = {r["train"]["seed"] for r in runs}
+    arms = {arm_label(r["intervention"]) for r in runs}
+    return len(seeds), len(arms)
 
 
 VERDICT_WINDOWS = ("post-transient", "final", "post-transient mean", "post-transient, loss-matched")
@@ -165,7 +189,7 @@ def format_claims(claims: pd.DataFrame) -> str:
     """The verdicts first, then the claims table per group, as aligned text for the terminal."""
     show = claims[~claims["group"].str.startswith("layer=")].copy()
     for c in ("value", "ci_low", "ci_high"):
-        show[c] = show[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
+        show[c] = show[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}").astype(str)  # str even when empty
     show["ci"] = np.where(show["ci_low"] != "", "[" + show["ci_low"] + ", " + show["ci_high"] + "]", "")
     cols = ["claim", "group", "window", "value", "ci", "n", "seeds_agreeing", "verdict"]
     with pd.option_context("display.width", 250, "display.max_colwidth", 70, "display.max_rows", 500):

@@ -88,13 +88,14 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
     """name -> (caption, PNG bytes)."""
     g = a.geometry
     figs: dict[str, tuple[str, object]] = {}
-    if a.is_intervention:
+    if a.is_intervention and not a.blind:  # blind: no outcome is drawn until the registered n is in
         figs["intervention_entropy"] = (
             "Attention entropy per condition (layer mean; band: min-max over seeds).",
             plots.by_condition(
                 g, "attention_entropy", "attention entropy (nats)", "Attention entropy under key-spectrum control"
             ),
         )
+    if a.is_intervention:
         figs["intervention_control"] = (
             "Achieved controlled spectrum per arm (solid), its target (dashed), the baseline none run (black).",
             plots.control_tracking(g),
@@ -112,7 +113,8 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
                 "(o: arms in the fit; x: other arms).",
                 plots.dose_response(a.dose_points, slopes, a.dose_summary),
             )
-        figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "intervention"))
+        if not a.blind:
+            figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "intervention"))
     base = g[g["intervention"] == "none"]
     if len(base):
         figs["pr_trajectories"] = ("PR_Q and PR_K (layer mean) per depth and init.", plots.pr_trajectories(base))
@@ -302,6 +304,14 @@ def write_report(a: Analysis, sections: list[str] = ()) -> Path:
         "95% t-intervals over seeds; verdicts follow the written rules in docs/GLOSSARY.md. "
         "Figures are measured on these runs; nothing is taken from the paper.</p>",
         *context_box(a),
+        *(
+            [
+                f"<p class='warn'><b>Blind:</b> {html.escape(a.blind)}. The checks are shown; the outcomes are "
+                "read once the registered number of seeds is in.</p>"
+            ]
+            if a.blind
+            else []
+        ),
         "<h2>Verdicts</h2>",
         "<p>Each verdict comes with <code>mde_80</code>, the smallest true effect its n and spread had 80% "
         "power to detect (two-sided t-test at 5%); an inconclusive verdict rules out effects larger than that "

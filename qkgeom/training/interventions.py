@@ -38,10 +38,14 @@ the head's logit scale is what it was before it (a shape change at matched scale
 scale, which training then drifts). ``match_row_std`` closes the loop (causal v4): after the projection
 W_Q^h, W_K^h are rescaled by one factor so that the head's per-row logit std (geometry.logit_row_std,
 the statistic the probe reports and the scale check reads) equals the same seed's none run's at that
-step, interpolated between its probes. It is measured where the probe measures it: on the fixed probe
-sequences (validation text, the first ROW_STD_SEQS, as the probe's logit statistics), a per-head gain
-and no gradient. On the training batch instead, the batch-to-batch change of the row std left the
-probed scale off by up to +-25% per probe on the tiny preset (LOG, 2026-12-04).
+step, interpolated between its probes: a per-head gain, no gradient, on fixed sequences (cached
+inputs; on each training batch instead, the batch-to-batch change of the row std left the probed scale
+off by up to +-25% per probe on the tiny preset, LOG 2026-12-04). Which sequences is
+``intervention.control_seqs``: 0 keeps v4's first registration (the probe's first ROW_STD_SEQS
+validation sequences, the very rows the scale check read: a check that could not fail); N > 0 takes N
+fixed *training* sequences (control_offsets), so the scale check, read on the validation probe batch,
+is judged on text the loop never saw. Every run with a control set records its row std there
+(CONTROL_ROW_STD_METRIC, control_rows): the none run's is the arms' target.
 
 A profile with a given PR is found in closed form: in energy space p = s^2 / sum s^2, the profile
 moves along the segment toward the top direction (lower PR) or the flat profile (higher PR); along
@@ -70,7 +74,8 @@ Tensor = torch.Tensor
 # the probe metric each control acts on (a per-head row in geometry.parquet)
 CONTROLLED_METRIC = {"key": "key_weight_participation_ratio", "interaction": "interaction_rank"}
 ROW_STD_METRIC = "logit_row_std"  # what match_row_std tracks (the none run's per-head probe rows)
-ROW_STD_SEQS = 4  # probe sequences the closed loop measures the row std on (the probe's logit_max_seqs)
+ROW_STD_SEQS = 4  # control_seqs = 0: the probe sequences the closed loop fits on (v4 as first registered)
+CONTROL_ROW_STD_METRIC = "logit_row_std_control"  # control_seqs > 0: the per-head row std on the control set
 # ... for the kinds that act through the data, by kind
 KIND_METRIC = {"shape": "key_participation_ratio", "temperature": "input_logit_scale"}
 FLOOR_METRIC = "key_participation_ratio_floor_raised"
@@ -79,6 +84,36 @@ FLOOR_METRIC = "key_participation_ratio_floor_raised"
 def controlled_metric(cfg: InterventionConfig) -> str:
     """The per-head probe metric an intervention steers (and reads from its baseline run)."""
     return KIND_METRIC.get(cfg.kind, CONTROLLED_METRIC[cfg.on])
+
+
+def row_std_metric(cfg: InterventionConfig) -> str:
+    """The per-head probe metric the closed loop tracks in the none run: the row std on the control set
+    (control_seqs > 0), else the probe's own logit_row_std (v4's first registration)."""
+    return CONTROL_ROW_STD_METRIC if cfg.control_seqs else ROW_STD_METRIC
+
+
+def control_offsets(n_train_tokens: int, n_ctx: int, n_seqs: int) -> np.ndarray:
+    """Start offsets (n_seqs,) of the control set in the training split: evenly spaced, fixed for a corpus
+    (the probe batch and every other validation measure read the validation split: disjoint text)."""
+    from qkgeom.training.data import fixed_offsets
+
+    return fixed_offsets(n_train_tokens, n_ctx, n_seqs)
+
+
+@torch.no_grad()
+def control_rows(model: torch.nn.Module, idx: Tensor, w_q: list[Tensor], w_k: list[Tensor]) -> list[dict]:
+    """Per head and layer mean: the per-row logit std on the control sequences idx (B, T)
+    (metric CONTROL_ROW_STD_METRIC), as batch_row_std measures it for the closed loop."""
+    xs = attention_inputs(model, idx)
+    rows = []
+    for li, x in xs.items():
+        std = batch_row_std(w_q[li], w_k[li], x.unsqueeze(0).expand(len(w_q[li]), -1, -1, -1)).tolist()
+        rows += [{"layer": li, "head": h, "site": "none", "metric": CONTROL_ROW_STD_METRIC, "value": v}
+                 for h, v in enumerate(std)]  # fmt: skip
+        rows.append(
+            {"layer": li, "head": -1, "site": "none", "metric": CONTROL_ROW_STD_METRIC, "value": sum(std) / len(std)}
+        )
+    return rows
 
 
 def needs_covariance(cfg: InterventionConfig) -> bool:
@@ -555,17 +590,19 @@ def instant_controls(
     steps: int,
     layers: tuple[int, ...] = (),
     floor: float = 1.5,
+    control_seqs: int = 0,
 ) -> list:
     """(label, SpectrumControl) per arm label, built on the run's *initial* weights (hold's profile), each
     relative to the run itself (its baselines are set at every use), on `layers` (empty: all) with the
-    shape `floor`: the study's none run carries its arms' controlled layers and floor in [intervention]."""
+    shape `floor` and the closed loop's `control_seqs`: the study's none run carries its arms' in
+    [intervention]."""
     import dataclasses
 
     from qkgeom.config import arm_config
 
     out = []
     for label in labels:
-        cfg = dataclasses.replace(arm_config(label), layers=tuple(layers), floor=floor)
+        cfg = dataclasses.replace(arm_config(label), layers=tuple(layers), floor=floor, control_seqs=control_seqs)
         flat = (np.array([0]), np.ones((len(w_k), w_k[0].shape[0], 1)))
         base = flat if cfg.kind != "hold" else None
         out.append((label, SpectrumControl.create(cfg, w_q, w_k, steps, base, flat if cfg.match_row_std else None)))
@@ -631,28 +668,81 @@ def attention_inputs(model: torch.nn.Module, idx: Tensor) -> dict[int, Tensor]:
     return {i: store[name].float() for i, name in enumerate(names)}
 
 
-def instant_rows(model: torch.nn.Module, idx: Tensor, controls: list, step: int, current: dict[str, Tensor]) -> list:
-    """The zero-training complement at one probe: for each (label, control), its map applied to a copy
-    of `model` (targets relative to this run: `current[metric]` (L, H), its own probe values), and the
-    change of mean attention entropy per head and layer mean (metric INSTANT_METRIC, site = label). The
-    input covariances are the probe batch's, as the training control's are its batch's."""
+@torch.no_grad()
+def mapped_copy(
+    model: torch.nn.Module,
+    ctl: SpectrumControl,
+    step: int,
+    current: dict[str, Tensor],
+    cov: tuple[dict, dict],
+    inputs: dict[int, Tensor],
+) -> torch.nn.Module:
+    """A copy of our GPT `model` with `ctl`'s map applied once, relative to the model itself:
+    `current[metric]` (L, H) are its own values of the controlled metric and (closed loop) of the row
+    std the loop holds; `cov` its layers' input covariances and means; `inputs` the closed loop's
+    control-set attention inputs (layer -> (B, T, D)). The model itself is not changed."""
     import copy
 
     from qkgeom.probing.probe import gpt_weights
 
+    if ctl.cfg.kind != "hold":
+        ctl.baseline = (np.array([step]), current[controlled_metric(ctl.cfg)].cpu().numpy()[..., None])
+    if ctl.cfg.match_row_std:  # closed loop: the model's own per-row logit std (its scale kept)
+        ctl.row_std_baseline = (np.array([step]), current[row_std_metric(ctl.cfg)].cpu().numpy()[..., None])
+    if ctl.cov is not None:
+        ctl.cov.cov, ctl.cov.mean = cov
+    ctl.row_std_inputs = lambda _step: inputs
+    twin = copy.deepcopy(model)
+    ctl.apply(*gpt_weights(twin), step)
+    return twin
+
+
+@torch.no_grad()
+def self_reference(model: torch.nn.Module, idx: Tensor) -> tuple[dict[str, Tensor], tuple[dict, dict], dict]:
+    """What mapped_copy needs to map our GPT `model` relative to itself on sequences idx (B, T): its
+    per-head activation PR_K and per-row logit std there (L, H), its layers' input covariances and
+    means, and its attention inputs (the closed loop's control set)."""
+    from qkgeom.probing.probe import gpt_weights
+
+    _, covs, means, _ = entropy_and_inputs(model, idx)
+    inputs = attention_inputs(model, idx)
+    w_q, w_k = gpt_weights(model)
+    pr, std, scale = [], [], []
+    for li, k in enumerate(w_k):
+        cov_k = k.transpose(-1, -2).double() @ covs[li] @ k.double()  # (H, E, E)
+        pr.append(participation_ratio(torch.linalg.eigvalsh(cov_k).clamp_min(0)))
+        std.append(batch_row_std(w_q[li], k, inputs[li].unsqueeze(0).expand(len(k), -1, -1, -1)))
+        scale.append(logit_scale(w_q[li], k, covs[li], means[li]))
+    row_std = torch.stack(std)
+    current = {
+        KIND_METRIC["shape"]: torch.stack(pr),
+        KIND_METRIC["temperature"]: torch.stack(scale),
+        ROW_STD_METRIC: row_std,
+        CONTROL_ROW_STD_METRIC: row_std,
+    }
+    return current, (covs, means), inputs
+
+
+def instant_rows(
+    model: torch.nn.Module,
+    idx: Tensor,
+    controls: list,
+    step: int,
+    current: dict[str, Tensor],
+    control_idx: Tensor | None = None,
+) -> list:
+    """The zero-training complement at one probe: for each (label, control), its map applied to a copy
+    of `model` (targets relative to this run: `current[metric]` (L, H), its own probe values), and the
+    change of mean attention entropy per head and layer mean (metric INSTANT_METRIC, site = label). The
+    input covariances are the probe batch's, as the training control's are its batch's; the closed
+    loop holds the run's own row std on the control set `control_idx` (None: the probe's first
+    ROW_STD_SEQS sequences)."""
     before, covs, means, firsts = entropy_and_inputs(model, idx)
+    if control_idx is not None:
+        firsts = attention_inputs(model, control_idx)
     rows = []
     for label, ctl in controls:
-        if ctl.cfg.kind != "hold":
-            ctl.baseline = (np.array([step]), current[controlled_metric(ctl.cfg)].cpu().numpy()[..., None])
-        if ctl.cfg.match_row_std:  # closed loop: the run's own per-row logit std (its scale kept)
-            ctl.row_std_baseline = (np.array([step]), current[ROW_STD_METRIC].cpu().numpy()[..., None])
-        if ctl.cov is not None:
-            ctl.cov.cov, ctl.cov.mean = covs, means
-        ctl.row_std_inputs = lambda _step, firsts=firsts: firsts
-        twin = copy.deepcopy(model)
-        w_q, w_k = gpt_weights(twin)
-        ctl.apply(w_q, w_k, step)
+        twin = mapped_copy(model, ctl, step, current, (covs, means), firsts)
         delta = (entropy_and_inputs(twin, idx)[0] - before).tolist()
         for li, heads in enumerate(delta):
             rows += [

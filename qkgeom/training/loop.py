@@ -296,22 +296,28 @@ class _Run:
         iv = cfg.intervention
         self.control = I.SpectrumControl.create(
             iv, self.w_q, self.w_k, t.steps, baseline_spectra(iv, rd),
-            baseline_spectra(iv, rd, I.ROW_STD_METRIC) if iv.match_row_std else None,
+            baseline_spectra(iv, rd, I.row_std_metric(iv)) if iv.match_row_std else None,
         )  # fmt: skip
         if self.control.cov is not None:  # the running input covariance, fed by the training forwards
             for li, block in enumerate(self.model.blocks):
                 block.hook_attn_in.register_forward_hook(self.control.cov.hook(li))
         if cfg.intervention.instant:  # the zero-training complement, built on the run's initial weights
             w_q0, w_k0 = gpt_weights(GPT(m, corpus.vocab.size, seed=t.seed))
-            self.instant = I.instant_controls(iv.instant, w_q0, w_k0, t.steps, iv.layers, iv.floor)
+            self.instant = I.instant_controls(iv.instant, w_q0, w_k0, t.steps, iv.layers, iv.floor, iv.control_seqs)
         else:
             self.instant = []
         n_probe = C.probe_n_seqs(cfg)
         offsets = fixed_offsets(len(self.valid_data), m.n_ctx, n_probe)
         self.probe_idx = torch.from_numpy(gather(self.valid_data, offsets, m.n_ctx)[0]).to(self.device)
         self.schedule = set(probe_steps(t.steps, cfg.probe.every, cfg.probe.log_early))
-        if iv.match_row_std:  # the closed loop reads the scale where the probe reads it (interventions.py)
-            ref_idx = self.probe_idx[: I.ROW_STD_SEQS]
+        # the closed loop's control set (interventions.py): training text disjoint from every validation
+        # measure, or (control_seqs = 0, v4 as first registered) the probe's own first sequences
+        self.control_idx = None
+        if iv.control_seqs:
+            offsets = I.control_offsets(len(self.train_data), m.n_ctx, iv.control_seqs)
+            self.control_idx = torch.from_numpy(gather(self.train_data, offsets, m.n_ctx)[0]).to(self.device)
+        if iv.match_row_std:
+            ref_idx = self.control_idx if self.control_idx is not None else self.probe_idx[: I.ROW_STD_SEQS]
             self.control.row_std_inputs = I.CachedInputs(self.model, ref_idx, self.schedule)
         self.kept = set(C.kept_steps(t))  # checkpoints kept beside last.pt
         self.tokens_per_step = t.batch_size * m.n_ctx
@@ -397,6 +403,8 @@ class _Run:
         for w in caught:  # a numerical fallback is recorded, never fatal
             self.rd.append_warning({"step": step, "warning": str(w.message)})
         rows += self.control.rows(step)
+        if self.control_idx is not None:  # the row std on the control set: the none run's is the arms' target
+            rows += I.control_rows(self.model, self.control_idx, self.w_q, self.w_k)
         if self.instant and step > 0 and step % self.cfg.probe.every == 0:
             rows += self._instant(step, rows)
         self.model.train()
@@ -411,14 +419,14 @@ class _Run:
         n_layers, n_heads = len(self.w_k), self.w_k[0].shape[0]
         current = {}
         needed = {I.controlled_metric(ctl.cfg) for _, ctl in self.instant}
-        needed |= {I.ROW_STD_METRIC for _, ctl in self.instant if ctl.cfg.match_row_std}
+        needed |= {I.row_std_metric(ctl.cfg) for _, ctl in self.instant if ctl.cfg.match_row_std}
         for metric in needed:
             table = torch.full((n_layers, n_heads), float("nan"), dtype=torch.float64)
             for r in rows:
                 if r["metric"] == metric and r["head"] >= 0 and r["site"] == "none":
                     table[r["layer"], r["head"]] = r["value"]
             current[metric] = table
-        return I.instant_rows(self.model, self.probe_idx, self.instant, step, current)
+        return I.instant_rows(self.model, self.probe_idx, self.instant, step, current, self.control_idx)
 
     def evaluate(self, step: int) -> None:
         tic = time.perf_counter()
