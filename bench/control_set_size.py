@@ -5,8 +5,8 @@ lands off on held-out text (issue 52: choose intervention.control_seqs from a me
         --set "train.checkpoint_steps=[200,300,400,500,600,700,800,900,1000]" --out runs/pilot-none
     python bench/control_set_size.py runs/pilot-none [--sizes 4 8 16 32 64] [--threads 1]
 
-For each kept checkpoint of a finished none run, each control-set size n (n fixed *training* sequences,
-interventions.control_offsets) and each closed-loop arm of causal-v4 (sham, shape 0.8, shape 1.25, hold)
+For each kept checkpoint of a finished none run, each control-set size n (n fixed *training* sequences:
+the training split, data.fixed_offsets) and each closed-loop arm of causal-v4 (sham, shape 0.8, shape 1.25, hold)
 on layers 1-3: the arm's map is applied to a copy of the weights and rescaled so each head's per-row
 logit std on the control set equals the unmapped model's there (what the loop does every step). The
 held-out error is log(mapped / unmapped) of the per-row logit std on the study's held-out probe batch
@@ -100,7 +100,7 @@ def main() -> None:
     print(f"held-out error: |log| of the layer's mean per-row logit std on {HELD_OUT} validation sequences")
     print(f"{'n':>4} {'ms/step':>8} {'|err| median':>13} {'|err| p95':>10} {'|err| max':>10}")
     for n in args.sizes:
-        control = torch.from_numpy(gather(train, I.control_offsets(len(train), n_ctx, n), n_ctx)[0])
+        control = torch.from_numpy(gather(train, fixed_offsets(len(train), n_ctx, n), n_ctx)[0])
         errs = []
         model = GPT(cfg.model, corpus.vocab.size)
         for s in steps:

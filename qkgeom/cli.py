@@ -354,6 +354,7 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
         "batch_size": args.batch_size,
         "strip_special_tokens": args.strip_special_tokens,
         "early_max_step": args.early_max_step,
+        "device": args.device,
     }  # flags given on the command line override the --config file; --set overrides both
     overrides = [f"{k}={json.dumps(v)}" for k, v in flags.items() if v is not None] + args.overrides
     from qkgeom.families.config import load_pretrained
@@ -517,6 +518,7 @@ def build_parser() -> argparse.ArgumentParser:
         "used as in training, and recorded as start_tokens in each revision's config.json)",
     )
     p.add_argument("--early-max-step", type=int, help="last step of the early window (default 1000)")
+    p.add_argument("--device", help="torch device to run the model on: cpu (default), cuda, cuda:N, mps")
     _add_output_args(p, "RUNS/pretrained/<model>")
     _add_executor_args(p, "revisions one after another (default) or in parallel as Ray tasks")
     p.set_defaults(fn=cmd_pretrained)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qkgeom.device import DEVICE_PATTERN
 from qkgeom.errors import QKGeomError, read_text
 
 # The checkout this package runs from (an editable install): the one place that derives it from
@@ -473,7 +474,7 @@ def validate(cfg: RunConfig) -> None:
     need(m.n_ctx <= MAX_CTX, f"model.n_ctx must be <= {MAX_CTX} (learned positions, T x T probes), got {m.n_ctx}")
     need(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
     need(
-        t.device == "cpu" or re.fullmatch(r"cuda(:\d+)?|mps", t.device) is not None,
+        DEVICE_PATTERN.fullmatch(t.device) is not None,
         f"train.device must be cpu, cuda, cuda:N or mps, got {t.device!r}",
     )
     need(t.threads >= 0, f"train.threads must be >= 0 (0 = torch's default), got {t.threads}")

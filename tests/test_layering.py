@@ -16,6 +16,7 @@ README = PACKAGE.parent / "README.md"
 ORDER = [
     # ground: what every wing may use
     ["errors"],
+    ["device"],
     ["config"],
     ["results", "executor"],
     # probing: q, k, pattern -> rows

@@ -102,7 +102,7 @@ def held_out_row_std(control_seqs: int, wikitext) -> pd.Series:  # noqa: ARG001 
     cfg = C.load("tiny", ["model.n_layers=2", "model.d_model=64", "model.n_ctx=64", "model.qk_init='tied'"])
     corpus = load_corpus(cfg.data)
     train, valid = corpus.splits["train"], corpus.splits["valid"]
-    control = torch.from_numpy(gather(train, I.control_offsets(len(train), 64, control_seqs), 64)[0])
+    control = torch.from_numpy(gather(train, fixed_offsets(len(train), 64, control_seqs), 64)[0])
     held = torch.from_numpy(gather(valid, fixed_offsets(len(valid), 64, 32), 64)[0])
     rows = []
     for seed in range(4):

@@ -22,6 +22,7 @@ from scipy import stats as sps
 
 from qkgeom import config as C
 from qkgeom.analysis import stats
+from qkgeom.device import check_device
 from qkgeom.errors import read_text
 from qkgeom.families.config import PretrainedConfig
 from qkgeom.probing import archs
@@ -68,7 +69,7 @@ def analyse_revision(
     rd = RunDir(out / C.safe_name(rev))  # `refs/pr/1` or `../x` stay inside `out` (config.json keeps the name)
     if rd.is_done():
         return rd.path
-    model = load_model(pc.model, revision)
+    model = load_model(pc.model, revision).to(check_device(pc.device, "pretrained.device"))
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     seq_len = min(pc.seq_len, limit) if limit else pc.seq_len  # e.g. our exported runs have n_ctx < 256
     path, _ = resolve_revision(pc.model, revision)

@@ -62,7 +62,7 @@ class QKGeometryCallback(Callback):
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         if isinstance(loss, torch.Tensor):
-            self.probe.log_metrics(trainer.global_step, float(loss), "train", self._tokens(trainer))
+            self.probe.log_metrics(trainer.global_step, loss, "train", self._tokens(trainer))
         last = trainer.max_steps is not None and 0 < trainer.max_steps <= trainer.global_step
         self.probe(
             trainer.global_step, self._tokens(trainer), force=last and trainer.global_step > self.probe.last_step
@@ -71,7 +71,7 @@ class QKGeometryCallback(Callback):
     def on_validation_epoch_end(self, trainer, pl_module):
         value = trainer.callback_metrics.get(self.val_loss_key)
         if self.probe is not None and value is not None and not trainer.sanity_checking:
-            self.probe.log_metrics(trainer.global_step, float(value), "valid", self._tokens(trainer))
+            self.probe.log_metrics(trainer.global_step, value, "valid", self._tokens(trainer))
 
     def on_train_end(self, trainer, pl_module):
         if self.probe is not None:

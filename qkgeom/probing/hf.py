@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from qkgeom import device as D
 from qkgeom.config import DEFAULT_CONVENTIONS, Conventions
 from qkgeom.probing.archs import ADD_ARCH_HINT, ARCHS, PretrainedError, arch_of, check_model_type
 from qkgeom.probing.probe import GeometryAccumulator, nonfinite_weights, weight_geometry
@@ -242,7 +243,7 @@ def weights_digest(model: nn.Module) -> str:
     h = hashlib.sha256()
     for name, t in sorted(model.state_dict().items()):
         h.update(f"{name}|{tuple(t.shape)}|{t.dtype}".encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(D.to_host(t.contiguous().view(torch.uint8)).tobytes())
     return h.hexdigest()
 
 
@@ -304,9 +305,10 @@ def analyse_model(
     else:
         accs = {"none": GeometryAccumulator(True, "none", logit_max_seqs, gram_dtype, conventions)}
     body = getattr(model, "base_model", model)  # the LM head's logits are not needed: skip them
+    device = next(model.parameters()).device  # batches come from the host; the model may be on a GPU
     with recording(model, accs, keep):
         for idx in tqdm(batches, disable=not progress, desc="batches", unit="batch"):
-            body(input_ids=idx)
+            body(input_ids=idx.to(device))
     rows = [r for acc in accs.values() for r in acc.rows()]
     w_q, w_k = arch.weights(model)
     w_v, w_o = arch.value_output(model)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from qkgeom import device as D
 from qkgeom.config import DEFAULT_CONVENTIONS, Conventions
 from qkgeom.errors import QKGeomError
 from qkgeom.probing import geometry as G
@@ -173,7 +174,7 @@ class GeometryAccumulator:
             st.row_std_sum, st.row_std_sq_sum = st.row_std_sum + row_std, st.row_std_sq_sum + row_sq
             st.energy_rank_sum = st.energy_rank_sum + sums["rank"]
             st.logit_pr_sum, st.logit_top_sum = st.logit_pr_sum + sums["pr"], st.logit_top_sum + top
-        st.row_n += int(sums["row_n"])
+        st.row_n += int(D.to_host(sums["row_n"]))
         st.logit_n += n_seqs
 
     @staticmethod
@@ -187,7 +188,9 @@ class GeometryAccumulator:
         valid = (mask.to(pat.device) & (support >= 2))[:, None, :].expand(B, H, T) & torch.isfinite(hn)
         hv = torch.where(valid, h, 0.0).sum((0, 2)).cpu()
         hnv = torch.where(valid, hn, 0.0).sum((0, 2)).cpu()
-        n = int(valid[:, 0].sum())  # tokens of head 0 (the per-head sums share it unless rows were non-finite)
+        n = int(
+            D.to_host(valid[:, 0].sum())
+        )  # tokens of head 0 (the per-head sums share it unless rows were non-finite)
         bins = (hn.clamp(0, 1) * (ENTROPY_BINS - 1)).round().long()
         # one count over (head, bin) cells: the valid rows of head h land in cells h * bins ...
         cells = (bins + ENTROPY_BINS * torch.arange(H, device=bins.device)[None, :, None])[valid].cpu()
@@ -208,7 +211,7 @@ class GeometryAccumulator:
             note = (
                 G.pr_note("variance" if metric.endswith("bias_corrected") else conv) if G.is_pr_metric(metric) else ""
             )
-            row = {"layer": layer, "head": head, "site": self.site, "metric": metric, "value": float(value)}
+            row = {"layer": layer, "head": head, "site": self.site, "metric": metric, "value": _value(value)}
             out.append(row | {"note": note} if note else row)
 
         G.solve_together([acc for st in self.layers for acc in (st.q_all, st.k_all)])
@@ -219,7 +222,7 @@ class GeometryAccumulator:
                 for name, v in _summary(acc.eigenvalues(), acc.n, conv).items():
                     add(li, -1, f"{side}_{name}", v)
                 for name, vals in _summary(head_eigs[side], acc.n, conv).items():
-                    for h, v in enumerate(vals.tolist()):
+                    for h, v in enumerate(D.host_list(vals)):
                         add(li, h, f"{side}_{name}", v)
             pr_q = G.participation_ratio_as(head_eigs["query"], conv)
             pr_k = G.participation_ratio_as(head_eigs["key"], conv)
@@ -274,10 +277,12 @@ class GeometryAccumulator:
     def spectra(self) -> dict[str, np.ndarray]:
         """Covariance eigenvalues per layer (L, H*E) and per head (L, H, E)."""
         return {
-            "query_eigenvalues": np.stack([s.q_all.eigenvalues().numpy() for s in self.layers]),
-            "key_eigenvalues": np.stack([s.k_all.eigenvalues().numpy() for s in self.layers]),
-            "query_head_eigenvalues": np.stack([s.q_all.block_eigenvalues(s.n_q_heads).numpy() for s in self.layers]),
-            "key_head_eigenvalues": np.stack([s.k_all.block_eigenvalues(s.n_k_heads).numpy() for s in self.layers]),
+            "query_eigenvalues": np.stack([D.to_host(s.q_all.eigenvalues()) for s in self.layers]),
+            "key_eigenvalues": np.stack([D.to_host(s.k_all.eigenvalues()) for s in self.layers]),
+            "query_head_eigenvalues": np.stack(
+                [D.to_host(s.q_all.block_eigenvalues(s.n_q_heads)) for s in self.layers]
+            ),
+            "key_head_eigenvalues": np.stack([D.to_host(s.k_all.block_eigenvalues(s.n_k_heads)) for s in self.layers]),
         }
 
 
@@ -303,6 +308,11 @@ def _logit_sums(q: Tensor, k: Tensor, causal: bool, convention: str) -> dict[str
     }
 
 
+def _value(v: float | Tensor) -> float:
+    """A row's value as a Python float (a tensor's through the host door)."""
+    return D.host_float(v) if isinstance(v, torch.Tensor) else float(v)
+
+
 def _summary(eigs: Tensor, n: int, convention: str = "variance") -> dict[str, Tensor]:
     """The dispersion measures of covariance spectra from n samples, plus the bias-corrected PR (a
     correction of the variance convention, so always under it)."""
@@ -316,7 +326,7 @@ def _hist_median(hist: Tensor) -> list[float]:
     """Median of normalised entropy from (H, bins) counts (resolution 1 / (bins - 1))."""
     cdf = hist.cumsum(-1) / hist.sum(-1, keepdim=True)
     idx = (cdf < 0.5).sum(-1)
-    return (idx.double() / (ENTROPY_BINS - 1)).tolist()
+    return D.host_list(idx.double() / (ENTROPY_BINS - 1))
 
 
 # alpha rows: the heavy-tail exponent of each head's matrix (and, head = -1, of the layer's whole
@@ -337,9 +347,9 @@ def _alpha_rows(
     whole matrix from layer_sv (its singular values), each beside the spectrum to fit: the caller fits
     them all in one batch (:func:`_fill_alphas`)."""
     metric = ALPHA_METRICS[name]
-    spectra = [(h, ev) for h, ev in enumerate((head_sv**2).numpy())]
+    spectra = [(h, ev) for h, ev in enumerate(D.to_host(head_sv**2))]
     if layer_sv is not None:
-        spectra.append((-1, (layer_sv**2).numpy()))
+        spectra.append((-1, D.to_host(layer_sv**2)))
     return [({"layer": layer, "head": h, "site": site, "metric": metric, "value": math.nan, "note": ""}, ev)
             for h, ev in spectra]  # fmt: skip
 
@@ -399,9 +409,11 @@ def weight_geometry(
         }
         for name, vals in metrics.items():
             extra = {"note": G.pr_note(pr_convention)} if G.is_pr_metric(name) else {}
-            for h, v in enumerate(vals.tolist()):
+            for h, v in enumerate(D.host_list(vals)):
                 rows.append({"layer": li, "head": h, "site": site, "metric": name, "value": float(v)} | extra)
-            rows.append({"layer": li, "head": -1, "site": site, "metric": name, "value": float(vals.mean())} | extra)
+            rows.append(
+                {"layer": li, "head": -1, "site": site, "metric": name, "value": D.host_float(vals.mean())} | extra
+            )
         add_alphas(li, "W_Q", sv_q, svs[li]["W_Q"][1])
         add_alphas(li, "W_K", sv_k, svs[li]["W_K"][1])
         add_alphas(li, "W_QK", sv_qk, None)
@@ -412,12 +424,14 @@ def weight_geometry(
                 metric = ALPHA_METRICS[name].replace("alpha", "participation_ratio")
                 note = {"note": G.pr_note(pr_convention)}
                 rows += [{"layer": li, "head": h, "site": site, "metric": metric, "value": float(v)} | note
-                         for h, v in enumerate(pr.tolist())]  # fmt: skip
-                rows.append({"layer": li, "head": -1, "site": site, "metric": metric, "value": float(pr.mean())} | note)
+                         for h, v in enumerate(D.host_list(pr))]  # fmt: skip
+                rows.append(
+                    {"layer": li, "head": -1, "site": site, "metric": metric, "value": D.host_float(pr.mean())} | note
+                )
                 add_alphas(li, name, sv, whole)
-        sq.append(sv_q.numpy())
-        sk.append(sv_k.numpy())
-        sqk.append(sv_qk.numpy())
+        sq.append(D.to_host(sv_q))
+        sk.append(D.to_host(sv_k))
+        sqk.append(D.to_host(sv_qk))
     _fill_alphas(alphas, conventions.alpha)
     spectra = {
         "W_Q_singular_values": np.stack(sq),

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from qkgeom import device as D
 from qkgeom.config import ConfigError, Conventions
 from qkgeom.errors import QKGeomError
 from qkgeom.probing import archs
@@ -226,7 +227,7 @@ class Probe:
             },
             "model_config": _model_config(inner),  # a Hugging Face model's own config, as it would save it
             "probe_tokens": int(batch.numel()),
-            "probe_batch_sha256": hashlib.sha256(batch.cpu().numpy().tobytes()).hexdigest(),
+            "probe_batch_sha256": hashlib.sha256(D.to_host(batch).tobytes()).hexdigest(),
             "provenance": provenance(),
         }
 
@@ -342,13 +343,16 @@ class Probe:
             self.logit_max_seqs or None, self.conventions,
         )  # fmt: skip
 
-    def log_metrics(self, step: int, loss: float, split: str = "train", tokens_seen: int | None = None) -> None:
-        """A loss for the report's curves (metrics.jsonl: step, tokens_seen, split, loss)."""
+    def log_metrics(
+        self, step: int, loss: float | torch.Tensor, split: str = "train", tokens_seen: int | None = None
+    ) -> None:
+        """A loss (a float, or a one-element tensor on any device) for the report's curves (metrics.jsonl:
+        step, tokens_seen, split, loss)."""
         if not self._metrics_resumed:  # what the interrupted run logged from this step on is logged again
             self.rd.truncate_metrics(step - 1)
             self._metrics_resumed = True
         row = {"step": step, "tokens_seen": -1 if tokens_seen is None else tokens_seen, "split": split}
-        self.rd.append_metrics({**row, "loss": float(loss)})
+        self.rd.append_metrics({**row, "loss": D.host_float(loss) if isinstance(loss, torch.Tensor) else float(loss)})
 
     def finish(
         self, steps: int | None = None, tokens_seen: int | None = None, final_valid_loss: float | None = None

@@ -43,8 +43,8 @@ inputs; on each training batch instead, the batch-to-batch change of the row std
 off by up to +-25% per probe on the tiny preset, LOG 2026-12-04). Which sequences is
 ``intervention.control_seqs``: 0 keeps v4's first registration (the probe's first ROW_STD_SEQS
 validation sequences, the very rows the scale check read: a check that could not fail); N > 0 takes N
-fixed *training* sequences (control_offsets), so the scale check, read on the validation probe batch,
-is judged on text the loop never saw. Every run with a control set records its row std there
+fixed *training* sequences (data.fixed_offsets over the training split), so the scale check, read on
+the validation probe batch, is judged on text the loop never saw. Every run with a control set records its row std there
 (CONTROL_ROW_STD_METRIC, control_rows): the none run's is the arms' target.
 
 A profile with a given PR is found in closed form: in energy space p = s^2 / sum s^2, the profile
@@ -60,6 +60,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from qkgeom import device as D
 from qkgeom.config import InterventionConfig
 from qkgeom.probing.geometry import (
     input_logit_scale,
@@ -92,14 +93,6 @@ def row_std_metric(cfg: InterventionConfig) -> str:
     return CONTROL_ROW_STD_METRIC if cfg.control_seqs else ROW_STD_METRIC
 
 
-def control_offsets(n_train_tokens: int, n_ctx: int, n_seqs: int) -> np.ndarray:
-    """Start offsets (n_seqs,) of the control set in the training split: evenly spaced, fixed for a corpus
-    (the probe batch and every other validation measure read the validation split: disjoint text)."""
-    from qkgeom.training.data import fixed_offsets
-
-    return fixed_offsets(n_train_tokens, n_ctx, n_seqs)
-
-
 @torch.no_grad()
 def control_rows(model: torch.nn.Module, idx: Tensor, w_q: list[Tensor], w_k: list[Tensor]) -> list[dict]:
     """Per head and layer mean: the per-row logit std on the control sequences idx (B, T)
@@ -107,7 +100,7 @@ def control_rows(model: torch.nn.Module, idx: Tensor, w_q: list[Tensor], w_k: li
     xs = attention_inputs(model, idx)
     rows = []
     for li, x in xs.items():
-        std = batch_row_std(w_q[li], w_k[li], x.unsqueeze(0).expand(len(w_q[li]), -1, -1, -1)).tolist()
+        std = D.host_list(batch_row_std(w_q[li], w_k[li], x.unsqueeze(0).expand(len(w_q[li]), -1, -1, -1)))
         rows += [{"layer": li, "head": h, "site": "none", "metric": CONTROL_ROW_STD_METRIC, "value": v}
                  for h, v in enumerate(std)]  # fmt: skip
         rows.append(
@@ -371,7 +364,7 @@ class SpectrumControl:
             if bool(rows.all()) and len(heads) == w[li].shape[0]:
                 w[li].copy_(new[i : i + len(heads)])
             else:
-                for j in torch.nonzero(rows).flatten().tolist():
+                for j in D.host_list(torch.nonzero(rows).flatten()):
                     w[li][heads[j]].copy_(new[i + j])
             i += len(heads)
 
@@ -412,7 +405,7 @@ class SpectrumControl:
 
     def target_pr(self, layer: int, head: int, step: int) -> float:
         """The target of one controlled head (see target_prs)."""
-        return float(self.target_prs(step)[self._pairs.index((layer, head))])
+        return D.host_float(self.target_prs(step)[self._pairs.index((layer, head))])
 
     @torch.no_grad()
     def apply(self, w_q: list[Tensor], w_k: list[Tensor], step: int) -> None:
@@ -466,12 +459,12 @@ class SpectrumControl:
         metric = controlled_metric(self.cfg)
         out = [
             {"layer": li, "head": h, "site": "none", "metric": metric + "_target", "value": t}
-            for (li, h), t in zip(self._pairs, self.target_prs(step).tolist(), strict=True)
+            for (li, h), t in zip(self._pairs, D.host_list(self.target_prs(step)), strict=True)
         ]
         if self.cfg.match_row_std:
             out += [
                 {"layer": li, "head": h, "site": "none", "metric": ROW_STD_METRIC + "_target", "value": t}
-                for (li, h), t in zip(self._pairs, self.row_std_targets(step).tolist(), strict=True)
+                for (li, h), t in zip(self._pairs, D.host_list(self.row_std_targets(step)), strict=True)
             ]
         if self.cfg.kind == "shape":
             raised = [float(r["value"] < self.cfg.floor) for r in out if r["metric"] == metric + "_target"]
@@ -686,9 +679,9 @@ def mapped_copy(
     from qkgeom.probing.probe import gpt_weights
 
     if ctl.cfg.kind != "hold":
-        ctl.baseline = (np.array([step]), current[controlled_metric(ctl.cfg)].cpu().numpy()[..., None])
+        ctl.baseline = (np.array([step]), D.to_host(current[controlled_metric(ctl.cfg)])[..., None])
     if ctl.cfg.match_row_std:  # closed loop: the model's own per-row logit std (its scale kept)
-        ctl.row_std_baseline = (np.array([step]), current[row_std_metric(ctl.cfg)].cpu().numpy()[..., None])
+        ctl.row_std_baseline = (np.array([step]), D.to_host(current[row_std_metric(ctl.cfg)])[..., None])
     if ctl.cov is not None:
         ctl.cov.cov, ctl.cov.mean = cov
     ctl.row_std_inputs = lambda _step: inputs
@@ -743,7 +736,7 @@ def instant_rows(
     rows = []
     for label, ctl in controls:
         twin = mapped_copy(model, ctl, step, current, (covs, means), firsts)
-        delta = (entropy_and_inputs(twin, idx)[0] - before).tolist()
+        delta = D.host_list(entropy_and_inputs(twin, idx)[0] - before)
         for li, heads in enumerate(delta):
             rows += [
                 {"layer": li, "head": h, "site": label, "metric": INSTANT_METRIC, "value": v}

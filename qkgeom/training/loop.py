@@ -20,6 +20,8 @@ import torch
 from tqdm.auto import tqdm
 
 from qkgeom import config as C
+from qkgeom import device as D
+from qkgeom.device import check_device
 from qkgeom.errors import QKGeomError
 from qkgeom.probing.geometry import NumericalWarning
 from qkgeom.probing.probe import gpt_weights, probe_gpt
@@ -72,7 +74,7 @@ def evaluate(model: GPT, data: np.ndarray, t: C.TrainConfig, n_ctx: int, device:
     losses = []
     for chunk in np.split(offsets, t.eval_batches):
         x, y = gather(data, chunk, n_ctx)
-        losses.append(model.loss(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)).item())
+        losses.append(D.host_float(model.loss(torch.from_numpy(x).to(device), torch.from_numpy(y).to(device))))
     return float(np.mean(losses))
 
 
@@ -90,12 +92,12 @@ def divergence(model: torch.nn.Module) -> str | None:
     the first offender is described; 0.3 instead of 5 ms a check at the cpu preset."""
     named = [(name, p.detach()) for name, p in model.named_parameters()]
     with torch.no_grad():
-        norms = torch.stack(torch._foreach_norm([p for _, p in named])).to(torch.float64).tolist()
+        norms = D.host_list(torch.stack(torch._foreach_norm([p for _, p in named])).to(torch.float64))
     for (name, p), norm in zip(named, norms, strict=True):
         if not math.isfinite(norm):  # a non-finite element, or finite ones too large for a float32 norm
             if not torch.isfinite(p).all():
                 return f"{name} became non-finite"
-            norm = float(p.double().norm())
+            norm = D.host_float(p.double().norm())
         rms = norm / math.sqrt(max(p.numel(), 1))
         if rms > DIVERGED_WEIGHT_RMS:
             return f"{name} has RMS {rms:.3g} (> {DIVERGED_WEIGHT_RMS:g})"
@@ -270,7 +272,7 @@ class _Run:
         t, m = cfg.train, cfg.model
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.device = t.device
+        self.device = check_device(t.device, "train.device")  # one line naming what this machine has
         try:
             vocab = Vocab.from_json(rd.vocab.read_text()) if resumed else None
         except (OSError, ValueError, KeyError, TypeError) as e:
@@ -314,7 +316,7 @@ class _Run:
         # measure, or (control_seqs = 0, v4 as first registered) the probe's own first sequences
         self.control_idx = None
         if iv.control_seqs:
-            offsets = I.control_offsets(len(self.train_data), m.n_ctx, iv.control_seqs)
+            offsets = fixed_offsets(len(self.train_data), m.n_ctx, iv.control_seqs)  # training text
             self.control_idx = torch.from_numpy(gather(self.train_data, offsets, m.n_ctx)[0]).to(self.device)
         if iv.match_row_std:
             ref_idx = self.control_idx if self.control_idx is not None else self.probe_idx[: I.ROW_STD_SEQS]
@@ -477,7 +479,7 @@ class _Run:
             attention_path(self.attention["path"] if self.attention else None),
         ):
             loss = self.forward_loss(torch.from_numpy(x).to(self.device), torch.from_numpy(y).to(self.device))
-        loss_value = loss.item()
+        loss_value = D.host_float(loss)
         if not math.isfinite(loss_value) or loss_value > self.loss_ceiling:
             raise TrainingError(
                 f"loss became {loss_value:.4g} at step {step} (lr={lr:.3g}); training diverged, lower train.lr "
@@ -495,7 +497,7 @@ class _Run:
                 "split": "train",
                 "loss": loss_value,
                 "lr": lr,
-                "grad_norm": float(grad_norm),
+                "grad_norm": D.host_float(grad_norm),
                 "elapsed": self.clock(),
             }
         )

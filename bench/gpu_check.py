@@ -1,0 +1,191 @@
+"""The one prepared script for a lent GPU (issue 53): at most ~8 minutes on one H200, no network.
+
+    python bench/gpu_check.py [--nanogpt DIR] [--out docs/results/gpu/gpu_check.md]
+
+1. runs the `gpu` tests (tests/test_gpu.py: probe, train with the closed loop, the Hugging Face path,
+   the Probe callback, `qkgeom pretrained --device cuda`; each equal to the CPU within 1e-6 / 1e-5);
+2. the paper preset at the study's real cadence (bench/cadence.py: unit costs from a short run,
+   composed at 20,000 steps with a probe every 500): whole-job tokens/s and probe share;
+3. seconds per probe at the paper preset and at GPT-2-small width (12 layers, d_model 768, 12 heads,
+   context 256), against the time of 10 bare training steps at that width;
+4. the bare training step against nanoGPT's model.py at both shapes, eager and compiled, if --nanogpt
+   names a folder holding it (a snapshot of karpathy/nanoGPT; not vendored here), else "not measured".
+
+Prints one markdown table (and writes it to --out). `--device cpu --quick` runs the same script at
+small sizes on any machine, to check it before a lease.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cadence  # noqa: E402
+from common import require_wikitext  # noqa: E402
+from paper_gpu import measuring_overrides  # noqa: E402
+
+from qkgeom import config as C  # noqa: E402
+from qkgeom.probing.probe import probe_gpt  # noqa: E402
+from qkgeom.training.loop import make_optimizer  # noqa: E402
+from qkgeom.training.model import GPT  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+GPT2_SMALL = ["model.n_layers=12", "model.d_model=768", "model.n_heads=12", "model.n_ctx=256", "train.batch_size=32"]
+
+
+def gpu_tests() -> list[tuple[str, str]]:
+    """(test, PASSED/FAILED/SKIPPED) of `pytest -m gpu tests/test_gpu.py`."""
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        capture_output=True, text=True, cwd=REPO,
+    )  # fmt: skip
+    return re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR) \S*?::(\w+)", r.stdout, flags=re.M) or [
+        ("ERROR", r.stdout[-300:])
+    ]
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def bare_step_rate(cfg: C.RunConfig, step, steps: int) -> float:
+    """tokens/s of `step(x, y)` (forward, backward, optimiser) after 3 warm-up steps (compile included there)."""
+    t, dev = cfg.train, cfg.train.device
+    x = torch.randint(0, 284, (t.batch_size, cfg.model.n_ctx), device=dev)
+    for _ in range(3):
+        step(x, x)
+    sync(dev)
+    tic = time.perf_counter()
+    for _ in range(steps):
+        step(x, x)
+    sync(dev)
+    return steps * t.batch_size * cfg.model.n_ctx / (time.perf_counter() - tic)
+
+
+def ours(cfg: C.RunConfig, compiled: bool):
+    """Our GPT's training step at cfg's shape (bf16 autocast on cuda, fused AdamW as the trainer)."""
+    model = GPT(cfg.model, 284).to(cfg.train.device)
+    opt = make_optimizer(model, cfg.train)
+    loss_fn = torch.compile(model.loss) if compiled else model.loss
+    dtype = cfg.train.device.split(":")[0]
+
+    def step(x, y):
+        with torch.autocast(dtype, dtype=torch.bfloat16, enabled=dtype == "cuda"):
+            loss = loss_fn(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return model, step
+
+
+def nanogpt(folder: Path, cfg: C.RunConfig, compiled: bool):
+    """nanoGPT's GPT (model.py from `folder`) at cfg's shape, its own configure_optimizers (fused AdamW)."""
+    spec = importlib.util.spec_from_file_location("nanogpt_model", folder / "model.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    m = cfg.model
+    conf = mod.GPTConfig(block_size=m.n_ctx, vocab_size=284, n_layer=m.n_layers, n_head=m.n_heads,
+                         n_embd=m.d_model, dropout=0.0, bias=True)  # fmt: skip
+    model = mod.GPT(conf).to(cfg.train.device)
+    opt = model.configure_optimizers(0.1, cfg.train.lr, (0.9, 0.95), cfg.train.device.split(":")[0])
+    fwd = torch.compile(model) if compiled else model
+    dtype = cfg.train.device.split(":")[0]
+
+    def step(x, y):
+        with torch.autocast(dtype, dtype=torch.bfloat16, enabled=dtype == "cuda"):
+            _, loss = fwd(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return model, step
+
+
+def seconds_per_probe(cfg: C.RunConfig, reps: int = 3) -> float:
+    """One probe of our GPT at cfg's shape on its probe batch (the median of `reps`, after a warm-up)."""
+    dev = cfg.train.device
+    model = GPT(cfg.model, 284).to(dev).eval()
+    idx = torch.randint(0, 284, (C.probe_n_seqs(cfg), cfg.model.n_ctx), device=dev)
+    probe_gpt(model, idx, cfg.probe.logit_max_seqs or None)
+    times = []
+    for _ in range(reps):
+        sync(dev)
+        tic = time.perf_counter()
+        probe_gpt(model, idx, cfg.probe.logit_max_seqs or None)
+        sync(dev)
+        times.append(time.perf_counter() - tic)
+    return sorted(times)[len(times) // 2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--nanogpt", type=Path, help="folder holding nanoGPT's model.py (a karpathy/nanoGPT snapshot)")
+    ap.add_argument("--quick", action="store_true", help="small sizes: check the script (e.g. on a CPU)")
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "gpu" / "gpu_check.md")
+    args = ap.parse_args()
+    require_wikitext()
+    dev = args.device
+    if dev.startswith("cuda") and not torch.cuda.is_available():
+        sys.exit("gpu_check.py needs a CUDA device (or --device cpu --quick to check the script)")
+    rows: list[tuple[str, str]] = []
+    name = torch.cuda.get_device_name(0) if dev.startswith("cuda") else "cpu"
+    rows.append(("device", f"{name}; torch {torch.__version__}"))
+    if not args.quick:
+        rows += [(f"gpu test: {t}", status) for status, t in gpu_tests()]
+    n_steps = 20 if args.quick else 300
+    quick = ["model.n_layers=2", "train.batch_size=8"] if args.quick else []
+    paper = C.load("paper", [f"train.device='{dev}'", "data.source='wikitext-2'", *quick])
+    with tempfile.TemporaryDirectory() as tmp:
+        over = [*quick, *measuring_overrides(n_steps, dev, False)]
+        u = cadence.measure(C.load("paper", over), Path(tmp) / "run")
+    job = cadence.compose(u, paper.train, paper.probe)
+    rows += [
+        ("paper preset: bare step", f"{u.bare_tokens_per_s:,.0f} tokens/s"),
+        (f"paper preset: whole job at its cadence ({paper.train.steps} steps, {job['n_probes']} probes)",
+         f"{job['tokens_per_s']:,.0f} tokens/s; probes {100 * job['probe_share']:.1f}%; "
+         f"{job['overhead']:.3f}x its training steps"),
+    ]  # fmt: skip
+    shapes = {"paper": paper, "GPT-2-small width": C.load("paper", [f"train.device='{dev}'", *GPT2_SMALL])}
+    if args.quick:
+        shapes["GPT-2-small width"] = C.load("paper", [f"train.device='{dev}'", *GPT2_SMALL[:1], "model.n_layers=2"])
+    for label, cfg in shapes.items():
+        probe_s = seconds_per_probe(cfg)
+        _, step = ours(cfg, False)
+        rate = bare_step_rate(cfg, step, 5 if args.quick else 20)
+        ten = 10 * cfg.train.batch_size * cfg.model.n_ctx / rate
+        rows.append((f"{label}: one probe", f"{probe_s:.3f} s (10 bare steps: {ten:.3f} s; {probe_s / ten:.2f}x)"))
+        for compiled in (False, True):
+            if args.quick and compiled:
+                continue
+            kind = "compiled" if compiled else "eager"
+            _, step = ours(cfg, compiled)
+            mine = bare_step_rate(cfg, step, 5 if args.quick else 30)
+            if args.nanogpt is None:
+                rows.append((f"{label}: bare step, {kind}", f"{mine:,.0f} tokens/s; nanoGPT not measured (--nanogpt)"))
+                continue
+            _, theirs_step = nanogpt(args.nanogpt, cfg, compiled)
+            theirs = bare_step_rate(cfg, theirs_step, 5 if args.quick else 30)
+            rows.append((f"{label}: bare step, {kind}",
+                         f"{mine:,.0f} vs nanoGPT {theirs:,.0f} tokens/s ({mine / theirs:.2f}x)"))  # fmt: skip
+    table = "| check | result |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
+    print(table)
+    if not args.quick:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(f"# bench/gpu_check.py, {time.strftime('%Y-%m-%d')}\n\n{table}\n")
+        print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,119 @@
+"""qkgeom.device: one door from a device to the host, guarded on a CPU, and device names checked.
+
+CI has no GPU, so the guard runs the GPU-bound paths on the CPU under a torch function mode that
+refuses `.numpy()`, `.item()`, `.tolist()`, `float()`, `int()` and `np.asarray` on a tensor when the
+call is made by qkgeom code outside `qkgeom.device.to_host`: on a GPU `.numpy()` raises there
+(issue 53: the trainer crashed at its first probe) and every other such call is a host sync of its
+own. Library code (torch, transformers) is not judged, only qkgeom's own frames.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+import qkgeom
+from qkgeom import device as D
+
+PACKAGE = Path(qkgeom.__file__).resolve().parent
+CONVERSIONS = {"numpy", "item", "tolist", "__float__", "__int__", "__index__", "__array__"}
+
+
+MACHINERY = ("torch/overrides.py", "torch/_tensor.py")  # how a call reaches the mode, not who made it
+
+
+def _caller() -> str | None:
+    """The file of the frame that made the conversion (library code inside torch or transformers counts
+    as itself, not as the qkgeom code that called the library)."""
+    f = sys._getframe(1)
+    while f is not None:
+        name = f.f_code.co_filename
+        if name != __file__ and not name.endswith(MACHINERY):
+            return name
+        f = f.f_back
+    return None
+
+
+class HostGuard(TorchFunctionMode):
+    """Refuses a tensor-to-host conversion made by qkgeom code outside qkgeom.device."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in CONVERSIONS and not D.converting():
+            caller = _caller()
+            if caller is not None and Path(caller).resolve().is_relative_to(PACKAGE):
+                raise AssertionError(f"{name} on a tensor outside qkgeom.device.to_host, called from {caller}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_guard_refuses_a_conversion_outside_the_door():
+    """The guard fails on the pattern that crashed the trainer on a GPU ((s**2).numpy() in the probe's
+    alpha rows, before the fix), run here from a qkgeom frame, and lets the door through."""
+    t = torch.arange(4, dtype=torch.float64)
+    code = compile("t.numpy()", str(PACKAGE / "probing" / "probe.py"), "eval")  # a frame in qkgeom
+    with HostGuard(), pytest.raises(AssertionError, match="numpy on a tensor outside"):
+        eval(code, {"t": t})
+    with HostGuard():
+        assert D.to_host(t).tolist() == [0.0, 1.0, 2.0, 3.0] and D.host_float(t[2]) == 2.0
+        assert D.host_list(t[:2]) == [0.0, 1.0]
+
+
+def test_probe_trainer_and_instant_complement_convert_only_through_the_door(tmp_path, wikitext):
+    """A closed-loop run with a control set and the none run's zero-training complement (every probe
+    path the trainer has), trained on the CPU under the guard."""
+    from qkgeom import config as C
+    from qkgeom.training.loop import train
+
+    base = ["train.steps=12", "probe.every=6", "train.eval_every=6", "intervention.control_seqs=2"]
+    instant = "intervention.instant=['shape:activation:0.8:closed']"
+    closed = ["intervention.kind='shape'", "intervention.ratio=0.8", "intervention.match_row_std=true"]
+    with HostGuard():
+        none = train(C.load("tiny", [*base, instant]), tmp_path / "none", progress=False)
+        arm = C.load("tiny", [*base, *closed, f"intervention.baseline='{tmp_path / 'none'}'"])
+        train(arm, tmp_path / "arm", progress=False)
+    assert none.is_done() and (tmp_path / "arm" / "done.json").is_file()
+
+
+def test_pretrained_path_converts_only_through_the_door():
+    """analyse_model on a GPT-2 built from a config (the Hugging Face path), under the guard."""
+    transformers = pytest.importorskip("transformers")
+    from qkgeom.probing.hf import analyse_model
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=32, vocab_size=50)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    ids = torch.randint(0, 50, (2, 16))
+    with HostGuard():
+        rows, _ = analyse_model(model, iter([ids]))
+    assert {r["metric"] for r in rows} >= {"query_participation_ratio", "attention_entropy"}
+
+
+def test_check_device_names_what_the_machine_has():
+    """A device the machine lacks is one line naming it and what is available; cpu always passes."""
+    assert D.check_device("cpu") == "cpu"
+    with pytest.raises(D.DeviceError, match=r"'cuda:7' is not on this machine \(available: cpu"):
+        D.check_device("cuda:7", "train.device")
+    with pytest.raises(D.DeviceError, match="is not a device"):
+        D.check_device("tpu")
+
+
+def test_to_host_keeps_dtype_and_values():
+    """float64 stays float64 (the geometry's precision), values exact."""
+    t = torch.tensor([1.0, 2.0 / 3.0], dtype=torch.float64)
+    out = D.to_host(t)
+    assert out.dtype == np.float64 and out[1] == 2.0 / 3.0
+
+
+def test_the_probe_callback_path_converts_only_through_the_door(tmp_path):
+    """qkgeom.Probe (what the Trainer and Lightning callbacks drive) in a plain loop with a loss passed
+    as a tensor, under the guard."""
+    from tests.test_tracking import train_with_probe
+
+    with HostGuard():
+        train_with_probe(tmp_path / "p", steps=6, every=3)
+    assert (tmp_path / "p" / "done.json").is_file()
