@@ -284,8 +284,16 @@ def cmd_verdicts(args: argparse.Namespace) -> int:
 
 def cmd_amend(args: argparse.Namespace) -> int:
     """`qkgeom amend`: register a changed pre-registration as a new version."""
-    from qkgeom.analysis.prereg import register_version
+    from qkgeom.analysis.prereg import RecordError, register_version, seal_records
 
+    if not Path(args.dir).is_dir():  # never create the folder it names
+        raise RecordError(f"{args.dir} is not a folder: nothing to amend")
+    if args.seal:
+        if not args.note.strip():
+            raise RecordError("sealing records needs a note saying why they were unsealed")
+        sealed = seal_records(args.dir)
+        print(f"{args.dir}: sealed {len(sealed)} record(s) by their data ({args.note.strip()})")
+        return 0
     entry = register_version(args.dir, args.note)
     print(f"{args.dir}: pre-registration version {entry['version']} registered ({entry['note']})")
     return 0
@@ -470,6 +478,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dir", help="a committed study folder with records (docs/results/<study>)")
     p.add_argument("--note", required=True, help="what changed and why (kept with the new version)")
+    p.add_argument(
+        "--seal",
+        action="store_true",
+        help="instead: seal the records that have no seal.json yet (written before seals) by their data; "
+        "sealed records are refused once any byte of them changes",
+    )
     p.set_defaults(fn=cmd_amend)
 
     p = sub.add_parser(

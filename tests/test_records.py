@@ -57,7 +57,7 @@ def test_a_record_is_a_slim_run_folder_that_analyses_the_same(tmp_path):
     for seed in (0, 1):
         rec = write_record(tmp_path / "runs" / f"s{seed}", tmp_path / "study" / "runs")
         assert sorted(p.name for p in rec.iterdir()) == [
-            "config.json", "done.json", "geometry.parquet", "metrics.jsonl", "vocab.json"
+            "config.json", "done.json", "geometry.parquet", "metrics.jsonl", "seal.json", "vocab.json"
         ]  # fmt: skip
     assert recorded_runs(tmp_path / "study") == {"s0", "s1"}
     full, slim = analyze(tmp_path / "runs").claims, analyze(tmp_path / "study").claims
@@ -197,3 +197,41 @@ def test_bent_records_are_refused_naming_both(tmp_path, capsys):
     assert main(["analyze", str(copy)]) == 2
     err = capsys.readouterr().err
     assert "are the same (arm, seed, budget)" in err and a.name in err and twin in err
+
+
+def test_records_are_sealed_by_their_data(tmp_path, capsys):
+    """Editing a record's geometry (PR_Q x 1.5 in one run) or moving one run's geometry and metrics into
+    another's record (its config kept) changed the claims with rc 0. Every record now carries seal.json
+    (sha256 of each of its files); analyze and verdicts refuse any change, naming the record and file. A
+    record without a seal, or re-sealed without its stamp, is refused too."""
+    import json
+
+    copy = _ladder_copy(tmp_path)
+    a, b = sorted((copy / "runs").iterdir())[:2]
+    g = pd.read_parquet(a / "geometry.parquet")
+    g.loc[g["metric"] == "query_participation_ratio", "value"] *= 1.5
+    g.to_parquet(a / "geometry.parquet", index=False)
+    for cmd in (["analyze", str(copy)], ["verdicts", str(copy.parent)]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and f"record {a.name}: geometry.parquet changed after" in err, err
+    shutil.copy(RESULTS / "ladder-cpu" / "runs" / a.name / "geometry.parquet", a / "geometry.parquet")
+    assert main(["analyze", str(copy)]) == 0  # restored byte for byte: read again
+    capsys.readouterr()
+    for name in ("geometry.parquet", "metrics.jsonl"):  # b's data under a's config
+        shutil.copy(b / name, a / name)
+    assert main(["analyze", str(copy)]) == 2
+    assert f"record {a.name}: geometry.parquet changed" in capsys.readouterr().err
+    for name in ("geometry.parquet", "metrics.jsonl"):
+        shutil.copy(RESULTS / "ladder-cpu" / "runs" / a.name / name, a / name)
+    (a / "seal.json").unlink()
+    assert main(["analyze", str(copy)]) == 2
+    assert f"record {a.name} in {copy} has no seal.json" in capsys.readouterr().err
+    info = json.loads((a / "config.json").read_text())
+    del info["record"]["preregistration"]  # unstamped, then sealed on purpose: still not read
+    (a / "config.json").write_text(json.dumps(info))
+    assert main(["amend", str(copy), "--seal", "--note", "test"]) == 0
+    capsys.readouterr()
+    assert main(["analyze", str(copy)]) == 2
+    assert f"record {a.name} in {copy} carries no pre-registration stamp" in capsys.readouterr().err
+    assert main(["amend", str(tmp_path / "nowhere"), "--note", "x"]) == 2 and not (tmp_path / "nowhere").exists()

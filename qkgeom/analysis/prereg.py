@@ -10,6 +10,12 @@ unless the change was registered as a new version (``register_version``: kept in
 ``preregistration_versions.json`` beside the records, both versions listed in VERDICTS.md). It also
 refuses records whose identity does not add up: a folder name that is not its config's run id, a
 record that stopped short of its own steps, two records of one (arm, seed, budget).
+
+Each record is also **sealed by its data**: ``seal.json`` holds the sha256 of every file of the record
+(config, geometry, metrics, done, vocabulary) and its run id, and every read checks it, so an edited
+byte or data moved between records is refused, naming the file. A record without a seal (written
+before seals) or without a stamp is refused too; ``seal_records`` seals such records once, on purpose
+(`qkgeom amend DIR --seal --note ...`).
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from pathlib import Path
 from qkgeom.errors import QKGeomError, read_text
 from qkgeom.results import RECORDS_DIR, SWEEP_MANIFEST, RunDir, read_json, write_json
 
+SEAL = "seal.json"  # a record's data digests
+SEALED = ("config.json", "geometry.parquet", "metrics.jsonl", "done.json", "vocab.json")  # what a seal covers
 PREREGISTRATION = "preregistration.toml"  # a script-run study's pre-registration, in its results folder
 VERSIONS = "preregistration_versions.json"  # registered amendments of a study's pre-registration
 
@@ -117,13 +125,58 @@ def _record_digests(path: Path) -> dict[str, dict]:
     return out
 
 
+def data_seal(folder: Path, run_id: str | None = None) -> dict:
+    """What a record's seal holds: its run id (the folder's name) and the sha256 of each SEALED file."""
+    files = {n: _sha((folder / n).read_bytes()) for n in SEALED if (folder / n).is_file()}
+    return {"run_id": run_id or folder.name, "files": files}
+
+
+def write_seal(folder: Path, run_id: str | None = None) -> None:
+    """Seal a record folder by its data (last, by analysis.records.write_record, in its temp folder:
+    `run_id` names the record it becomes)."""
+    write_json(folder / SEAL, data_seal(folder, run_id))
+
+
+def seal_records(path: str | Path) -> list[Path]:
+    """Seal every record under `path`/runs/ that has no seal yet (records written before seals); returns
+    them. Sealed records are left alone: a changed one stays refused."""
+    out = [d for d in record_folders(path) if not (d / SEAL).is_file()]
+    for d in out:
+        write_seal(d)
+    return out
+
+
+def _check_seals(path: Path) -> None:
+    for d in record_folders(path):
+        if not (d / SEAL).is_file():
+            raise RecordError(
+                f"record {d.name} in {path} has no {SEAL}: its data cannot be checked (seal records written "
+                f"before seals on purpose: qkgeom amend {path} --seal --note ...)"
+            )
+        want, have = read_json(d / SEAL), data_seal(d)
+        if want.get("run_id") != d.name:
+            raise RecordError(f"record {d.name}: its {SEAL} is the seal of record {want.get('run_id')}")
+        for name in sorted({*want.get("files", {}), *have["files"]}):
+            sealed, now = want.get("files", {}).get(name), have["files"].get(name)
+            if sealed != now:
+                what = "is missing" if now is None else "was added" if sealed is None else "changed"
+                raise RecordError(
+                    f"record {d.name}: {name} {what} after the record was sealed"
+                    + (f" (sha256 {now[:12]}, sealed {sealed[:12]})" if now and sealed else "")
+                )
+
+
 def _check_digests(path: Path) -> None:
     now = digest(path)
     allowed = [now]
     versions = registered_versions(path)
     if versions and versions[-1]["digest"] == now:
         allowed = [v["digest"] for v in versions]
-    for rid, judged in _record_digests(path).items():
+    stamps = _record_digests(path)
+    for d in record_folders(path):
+        if d.name not in stamps:
+            raise RecordError(f"record {d.name} in {path} carries no pre-registration stamp: it is not read")
+    for rid, judged in stamps.items():
         if judged in allowed:
             continue
         changed = sorted(k for k in {*judged, *now} if judged.get(k) != now.get(k))
@@ -168,11 +221,12 @@ def _check_identity(path: Path) -> None:
 
 
 def check_records(path: str | Path) -> None:
-    """Refuse (RecordError, one line) a study folder whose records were judged under another
-    pre-registration than the current one (unless registered as a new version), or whose records'
-    identities do not add up. A folder without records passes."""
+    """Refuse (RecordError, one line) a study folder whose records' data changed since they were sealed,
+    whose records were judged under another pre-registration than the current one (unless registered
+    as a new version), or whose records' identities do not add up. A folder without records passes."""
     path = Path(path)
     if not record_folders(path):
         return
-    _check_identity(path)
+    _check_identity(path)  # the most specific message first (a copied folder, a short run, a twin)
+    _check_seals(path)
     _check_digests(path)

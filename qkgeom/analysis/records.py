@@ -8,6 +8,7 @@ A record is a slim run folder under ``docs/results/<study>/runs/<run_id>/`` (res
     geometry.parquet  every probe's rows (step, tokens_seen, layer, head, site, metric, value), zstd
     metrics.jsonl     every validation row; training rows thinned to at most RECORD_TRAIN_ROWS
     vocab.json, done.json
+    seal.json         the sha256 of each file above and the run id (analysis.prereg: checked on every read)
 
 ``record.preregistration`` in config.json is the digest of the pre-registration the record was
 judged under (analysis.prereg): a later edit of it is refused unless registered as a new version.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from qkgeom.analysis.prereg import digest, record_folders
+from qkgeom.analysis.prereg import digest, record_folders, write_seal
 from qkgeom.results import RECORDS_DIR, RunDir, atomic_write_bytes, read_json, write_json
 from qkgeom.training.data import file_digest, resolve_source
 
@@ -82,7 +83,8 @@ def write_record(run: str | Path, dest: str | Path) -> Path:
     atomic_write_bytes(tmp.metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
     if rd.vocab.is_file():
         shutil.copyfile(rd.vocab, tmp.vocab)
-    shutil.copyfile(rd.done, tmp.done)  # last: a record with done.json is whole
+    shutil.copyfile(rd.done, tmp.done)  # a record with done.json is whole
+    write_seal(tmp.path, rd.path.name)  # sealed by its data, under the name the folder takes next
     if out.path.exists():
         shutil.rmtree(out.path)
     tmp.path.rename(out.path)
