@@ -129,6 +129,12 @@ def _sweep(args: argparse.Namespace):
         f"sweep {spec.name}: {len(res.done)} trained, {len(res.skipped)} already done, "
         f"{len(res.failed)} failed in {res.seconds:.0f} s -> {out}"
     )
+    if res.failed and not res.done and not res.skipped:  # nothing to analyse: one line, the cause in it
+        from qkgeom.training.sweep import SweepError
+
+        errors = sorted(set(res.failed.values()))
+        more = f" (and {len(errors) - 1} other errors)" if len(errors) > 1 else ""
+        raise SweepError(f"all {len(res.failed)} runs failed: {errors[0]}{more}; what they wrote is kept in {out}")
     for rid, err in res.failed.items():
         print(f"  FAILED {rid}: {err}", file=sys.stderr)
     return spec, out, res
@@ -159,11 +165,11 @@ def _settle_records(spec, out: Path, records: Path) -> None:
     from qkgeom.training.sweep import expand, write_manifest
 
     runs = expand(spec)
+    check_records(records, spec.analysis)  # every check first: a refused sitting changes nothing
     records.mkdir(parents=True, exist_ok=True)
     write_manifest(spec, runs, records)
     for d in clean_temp(records):
         print(f"removed {d} (a record write that was killed)", file=sys.stderr)
-    check_records(records)
     for d in record_missing(out, records, [r.run_id for r in runs]):
         print(f"recorded {d.name} (finished earlier without its record)", file=sys.stderr)
 
@@ -284,17 +290,21 @@ def cmd_verdicts(args: argparse.Namespace) -> int:
 
 def cmd_amend(args: argparse.Namespace) -> int:
     """`qkgeom amend`: register a changed pre-registration as a new version."""
-    from qkgeom.analysis.prereg import RecordError, register_version, seal_records
+    from qkgeom.analysis.prereg import RecordError, register_version, seal_records, write_pin
 
     if not Path(args.dir).is_dir():  # never create the folder it names
         raise RecordError(f"{args.dir} is not a folder: nothing to amend")
+    if args.pin:
+        write_pin(args.dir)
+        print(f"{args.dir}: pinned (pre-registration and claims.csv digests in preregistration_pin.json: {args.note})")
+        return 0
     if args.seal:
         if not args.note.strip():
             raise RecordError("sealing records needs a note saying why they were unsealed")
         sealed = seal_records(args.dir)
         print(f"{args.dir}: sealed {len(sealed)} record(s) by their data ({args.note.strip()})")
         return 0
-    entry = register_version(args.dir, args.note)
+    entry = register_version(args.dir, args.note, args.sweep)
     print(f"{args.dir}: pre-registration version {entry['version']} registered ({entry['note']})")
     return 0
 
@@ -478,6 +488,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("dir", help="a committed study folder with records (docs/results/<study>)")
     p.add_argument("--note", required=True, help="what changed and why (kept with the new version)")
+    p.add_argument(
+        "--sweep",
+        help="the sweep file whose edited [analysis] is registered (default: configs/study-<name>.toml)",
+    )
+    p.add_argument(
+        "--pin",
+        action="store_true",
+        help="instead: pin a study without records (its verdicts cannot be re-derived) by the digests of its "
+        "pre-registration and its committed claims.csv; verdicts refuses either changed",
+    )
     p.add_argument(
         "--seal",
         action="store_true",

@@ -483,6 +483,13 @@ ZOO = [
     (["report", "{family}"], "geometry.parquet is damaged"),
     (["pretrained", "{pickled}", "--text", "{text}"], "a pickle holding more than tensors"),
     (["pretrained", "{reshaped}", "--text", "{text}"], "1 of another shape (transformer.h.0.attn.c_attn.weight)"),
+    # issue 54: tracebacks, or something written, where one line belongs
+    (["train", "tiny", "--set", "train.device='cuda:3'"], "'cuda:3' is not on this machine (available: cpu"),
+    (["pretrained", "{badheads}", "--text", "{text}"], "must be divisible by num_heads"),
+    (["pretrained", "{truncated}", "--text", "{text}"], "are truncated or corrupt"),
+    (["pretrained", "{bigvocab}"], "beyond the 50-entry vocabulary"),
+    (["sweep", "{results}/escape.toml", "--dry-run"], "must be a plain folder name"),
+    (["amend", "{tmp}/nowhere", "--note", "x"], "is not a folder: nothing to amend"),
 ]
 
 
@@ -519,8 +526,25 @@ def _bad_models(tmp_path: Path) -> dict[str, str]:
     (study / "claims.csv").write_bytes(claims[: len(claims) // 2])
     text = tmp_path / "text.txt"
     text.write_text("plain text " * 500)
+    badheads, truncated, bigvocab = tmp_path / "badheads", tmp_path / "truncated", tmp_path / "bigvocab"
+    badheads.mkdir()
+    (badheads / "config.json").write_text(
+        '{"model_type": "gpt2", "n_embd": 30, "n_head": 4, "n_layer": 1, "n_positions": 32, "vocab_size": 50}'
+    )
+    shutil.copytree(gpt2, truncated)
+    blob = (truncated / "model.safetensors").read_bytes()
+    (truncated / "model.safetensors").write_bytes(blob[: len(blob) // 2])
+    shutil.copytree(gpt2, bigvocab)  # a character vocabulary of 284 entries beside a 50-entry model
+    from qkgeom.training.data import build_vocab, wikitext_mirror
+
+    vocab = build_vocab(wikitext_mirror() / "wikitext-2-raw" / "valid.txt", "char")
+    (bigvocab / "qkgeom_vocab.json").write_text(vocab.to_json())
+    (study.parent / "escape.toml").write_text(
+        '[sweep]\nname = "../../escape"\nbase = "tiny"\n[grid]\n"train.seed" = [0]\n'
+    )
     return dict(gpt2=str(gpt2), pickled=str(pickled), reshaped=str(reshaped), family=str(tmp_path / "family"),
-                results=str(tmp_path / "results"), text=str(text))  # fmt: skip
+                results=str(tmp_path / "results"), text=str(text), badheads=str(badheads),
+                truncated=str(truncated), bigvocab=str(bigvocab))  # fmt: skip
 
 
 @pytest.mark.parametrize("args, message", ZOO, ids=[m for _, m in ZOO])
@@ -539,7 +563,8 @@ def test_bad_input_zoo(reference, tmp_path, args, message):
     (garbled / "config.json").write_text('{"config": {')
     fill = dict(done=str(done), empty=str(tmp_path / "empty"), tmp=str(tmp_path), latin1=str(latin1))
     fill |= dict(badcfg=str(badcfg), garbled=str(garbled))
-    if any("{" + k + "}" in a for a in args for k in ("gpt2", "pickled", "reshaped", "family", "results")):
+    bad = ("gpt2", "pickled", "reshaped", "family", "results", "badheads", "truncated", "bigvocab")
+    if any("{" + k + "}" in a for a in args for k in bad):
         fill |= _bad_models(tmp_path)
     args = [a.format(**fill) for a in args]
     if args[0] == "train" and "--out" not in args:
@@ -580,3 +605,21 @@ def test_measure_names_bad_shapes_and_non_finite_values():
         qkgeom.measure(q, k, nan)
     with pytest.raises(MeasureError, match="does not match q"):
         qkgeom.measure(q, torch.randn(2, 3, 8, 16))
+
+
+def test_full_disk_during_a_study_is_one_line(tmp_path):
+    """A study whose every run hits a full disk printed a FAILED line per run and then 'no finished
+    runs' (3 lines for 2 runs); now one line naming the cause, exit 2, what was written kept."""
+    sweep = tmp_path / "fd.toml"
+    sweep.write_text('[sweep]\nname = "fd"\nbase = "tiny"\n[set]\n"train.steps" = 20\n[grid]\n"train.seed" = [0, 1]\n')
+    assert (
+        cli("train", "tiny", "--no-progress", "--set", "train.steps=4", "--out", str(tmp_path / "warm")).returncode == 0
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "qkgeom.cli", "study", str(sweep), "--no-progress", "--workers", "1",
+         "--runs", str(tmp_path / "runs")],
+        capture_output=True, text=True, cwd=REPO, preexec_fn=_limit_file_size(60_000),
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
+    assert "all 2 runs failed" in proc.stderr and "File too large" in proc.stderr
+    assert (tmp_path / "runs" / "fd" / "sweep.json").is_file()

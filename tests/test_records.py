@@ -1,6 +1,7 @@
 """records: a committed study's per-run records re-derive its verdicts byte for byte, and a record
 analyses like the run folder it came from."""
 
+import json
 import shutil
 from pathlib import Path
 
@@ -235,3 +236,58 @@ def test_records_are_sealed_by_their_data(tmp_path, capsys):
     assert main(["analyze", str(copy)]) == 2
     assert f"record {a.name} in {copy} carries no pre-registration stamp" in capsys.readouterr().err
     assert main(["amend", str(tmp_path / "nowhere"), "--note", "x"]) == 2 and not (tmp_path / "nowhere").exists()
+
+
+def test_a_refused_sitting_changes_nothing_and_amend_registers_the_edit(tmp_path, capsys):
+    """A sitting refused for an edited [analysis] had already rewritten the records' sweep.json with the
+    edit. Now every check runs before anything is written; `qkgeom amend --sweep FILE` registers the
+    edit (the manifest takes it), and the next sitting runs."""
+    records = tmp_path / "results" / "mini"
+    sweep = tmp_path / "mini.toml"
+    text = (
+        '[sweep]\nname = "mini"\nbase = "tiny"\n[set]\n"train.steps" = 10\n"probe.every" = 5\n'
+        '[grid]\n"train.seed,train.data_seed" = [[0, 1000], [1, 1001]]\n'
+        f'[analysis]\nrecords = "{records}"\nmargin = 0.1\n'
+    )
+    sweep.write_text(text)
+    args = ["study", str(sweep), "--out", str(tmp_path / "runs"), "--no-progress", "--workers", "1"]
+    assert main(args) == 0, capsys.readouterr().err
+    before = {p: p.read_bytes() for p in records.rglob("*") if p.is_file() and p.suffix != ".csv"}
+    sweep.write_text(text.replace("margin = 0.1", "margin = 0.3"))
+    capsys.readouterr()
+    assert main(args) == 2
+    assert "changed after its records" in capsys.readouterr().err
+    assert before == {p: p.read_bytes() for p in records.rglob("*") if p.is_file() and p.suffix != ".csv"}
+    assert main(["amend", str(records), "--note", "margin 0.3", "--sweep", str(sweep)]) == 0
+    assert main(args) == 0, capsys.readouterr().err
+    assert json.loads((records / "sweep.json").read_text())["analysis"]["margin"] == 0.3
+
+
+def test_a_study_without_records_is_pinned(tmp_path, capsys, monkeypatch):
+    """causal-cpu has no records: cutting a primary from its study file changed VERDICTS.md silently. Its
+    pin (preregistration_pin.json: the pre-registration's and claims.csv's digests) now makes verdicts
+    refuse an edited study file or claims.csv in one line; an unpinned study with primaries is refused."""
+    from qkgeom import config as C
+
+    root = tmp_path / "results"
+    shutil.copytree(RESULTS / "study-causal-cpu", root / "study-causal-cpu")
+    configs = tmp_path / "configs"
+    shutil.copytree(C.CONFIG_DIR, configs)
+    monkeypatch.setattr(C, "CONFIG_DIR", configs)
+    assert main(["verdicts", str(root)]) == 0
+    capsys.readouterr()
+    study = configs / "study-causal-cpu.toml"
+    original = study.read_text()
+    study.write_text(original.replace("primary = [", "primary = [  # one cut\n", 1))
+    assert main(["verdicts", str(root)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "study-causal-cpu.toml" in err and "changed" in err, err
+    study.write_text(original)
+    claims = root / "study-causal-cpu" / "claims.csv"
+    claims.write_text(claims.read_text().replace("holds", "fails", 1))
+    assert main(["verdicts", str(root)]) == 2
+    assert "claims.csv changed after the study was pinned" in capsys.readouterr().err
+    shutil.copy(RESULTS / "study-causal-cpu" / "claims.csv", claims)
+    (root / "study-causal-cpu" / "preregistration_pin.json").unlink()
+    assert main(["verdicts", str(root)]) == 2
+    assert "is not pinned" in capsys.readouterr().err

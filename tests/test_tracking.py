@@ -262,3 +262,24 @@ def test_a_compiled_model_is_probed_through_to_its_weights(tmp_path):
     both = pd.concat([last, now], axis=1, join="inner").dropna()
     assert len(both) == len(now.dropna()) > 50
     np.testing.assert_allclose(both.iloc[:, 0], both.iloc[:, 1], rtol=1e-6, atol=1e-9)
+
+
+def test_a_failing_tracker_is_dropped_and_the_run_finishes(tmp_path, capsys):
+    """A Lightning logger that raised OSError during training stopped the run through qkgeom's tracker
+    code, leaving no done.json. Now the failing sink is reported once and dropped; the other sink and
+    the run folder go on to the end."""
+    good, calls = [], {"bad": 0}
+
+    def bad(step, scalars):
+        calls["bad"] += 1
+        raise OSError("disk quota exceeded")
+
+    train_with_probe(
+        tmp_path / "r", steps=12, every=4, sinks=[("bad", bad), ("good", lambda s, m: good.append(s) or True)]
+    )
+    done = read_json(tmp_path / "r" / "done.json")
+    assert calls["bad"] == 1 and good == [0, 1, 2, 4, 8, 12]  # log-spaced early probes, then every 4
+    assert (
+        done["sinks_dropped"] == {"bad": "OSError at step 0: disk quota exceeded"} and done["scalars_sent"]["good"] == 6
+    )
+    assert capsys.readouterr().err.count("tracker bad failed") == 1

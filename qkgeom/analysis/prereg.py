@@ -31,6 +31,7 @@ from qkgeom.errors import QKGeomError, read_text
 from qkgeom.results import RECORDS_DIR, SWEEP_MANIFEST, RunDir, read_json, write_json
 
 SEAL = "seal.json"  # a record's data digests
+PIN = "preregistration_pin.json"  # a study without records: its pre-registration and claims.csv digests
 SEALED = ("config.json", "geometry.parquet", "metrics.jsonl", "done.json", "vocab.json")  # what a seal covers
 PREREGISTRATION = "preregistration.toml"  # a script-run study's pre-registration, in its results folder
 VERSIONS = "preregistration_versions.json"  # registered amendments of a study's pre-registration
@@ -73,15 +74,18 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def digest(path: str | Path) -> dict[str, str]:
+def digest(path: str | Path, analysis: dict | None = None) -> dict[str, str]:
     """sha256 of each text that pre-registers the study in `path`, keyed by what it is: the study
-    file, preregistration.toml, and the [analysis] table as the analysis reads it (canonical JSON)."""
+    file, preregistration.toml, and the [analysis] table as the analysis reads it (canonical JSON).
+    analysis: the [analysis] a sweep is about to write into the manifest, checked before it is written."""
     path = Path(path)
     texts = [f for f in (study_file(path), path / PREREGISTRATION) if f is not None and f.is_file()]
     out = {f.name: _sha(f.read_bytes()) for f in texts}
     # where study_analysis reads [analysis] from: the manifest, else preregistration.toml, else the study file
-    source = SWEEP_MANIFEST if (path / SWEEP_MANIFEST).is_file() else texts[-1].name if texts else "no file"
-    out[f"{source} [analysis]"] = _sha(json.dumps(study_analysis(path, by_name=True), sort_keys=True).encode())
+    manifest = analysis is not None or (path / SWEEP_MANIFEST).is_file()
+    source = SWEEP_MANIFEST if manifest else texts[-1].name if texts else "no file"
+    table = study_analysis(path, by_name=True) if analysis is None else analysis
+    out[f"{source} [analysis]"] = _sha(json.dumps(table, sort_keys=True).encode())
     return out
 
 
@@ -91,9 +95,10 @@ def registered_versions(path: str | Path) -> list[dict]:
     return read_json(f)["versions"] if f.is_file() else []
 
 
-def register_version(path: str | Path, note: str) -> dict:
+def register_version(path: str | Path, note: str, sweep: str | Path | None = None) -> dict:
     """Register the current pre-registration of `path` as a new version (its records keep theirs):
-    the first call also registers the version the records were judged under. Returns the new entry."""
+    the first call also registers the version the records were judged under. Returns the new entry.
+    sweep: the sweep file whose [analysis] the manifest takes (default: the study file, where it changed)."""
     path = Path(path)
     if not note.strip():
         raise RecordError("a new pre-registration version needs a note saying what changed and why")
@@ -102,12 +107,31 @@ def register_version(path: str | Path, note: str) -> dict:
         judged = {json.dumps(d, sort_keys=True) for d in _record_digests(path).values()}
         versions = [{"version": i + 1, "digest": json.loads(d), "note": "as first registered"}
                     for i, d in enumerate(sorted(judged))]  # fmt: skip
-    now = digest(path)
+    table = _edited_study_analysis(path, versions[-1]["digest"] if versions else {}, sweep)
+    now = digest(path, table)
     if any(v["digest"] == now for v in versions):
         raise RecordError(f"{path}: the current pre-registration is already registered (nothing changed)")
+    if table is not None:  # the manifest takes the edited study file's [analysis]: registered, so written
+        write_json(path / SWEEP_MANIFEST, {**read_json(path / SWEEP_MANIFEST), "analysis": table})
     entry = {"version": len(versions) + 1, "digest": now, "note": note.strip(), "registered": date.today().isoformat()}
     write_json(path / VERSIONS, {"versions": [*versions, entry]})
     return entry
+
+
+def _edited_study_analysis(path: Path, last: dict[str, str], sweep: str | Path | None = None) -> dict | None:
+    """The [analysis] the manifest takes on amending, where a sweep manifest holds the one the analysis
+    reads (a sitting checks before it writes the manifest, so an edited [analysis] reaches it only by
+    being registered): the `sweep` file's, else the study file's where it changed since the `last`
+    registered digest; else None (the manifest stays)."""
+    if not (path / SWEEP_MANIFEST).is_file():
+        return None
+    f = Path(sweep) if sweep is not None else study_file(path)
+    if f is None or (sweep is None and last.get(f.name) in (None, _sha(f.read_bytes()))):
+        return None
+    try:
+        return tomllib.loads(read_text(f, RecordError)).get("analysis", {})
+    except tomllib.TOMLDecodeError as e:
+        raise RecordError(f"{f} is not valid TOML: {e}") from None
 
 
 def record_folders(path: str | Path) -> list[Path]:
@@ -116,7 +140,34 @@ def record_folders(path: str | Path) -> list[Path]:
     return sorted(d for d in dest.iterdir() if d.is_dir() and not d.name.startswith(".")) if dest.is_dir() else []
 
 
+def write_pin(path: str | Path) -> dict:
+    """Pin a study that has no records (its verdicts cannot be re-derived): the digest of its
+    pre-registration and of its committed claims.csv, checked by check_records from then on."""
+    path = Path(path)
+    claims = path / "claims.csv"
+    pin = {"digest": digest(path), "claims.csv": _sha(claims.read_bytes()) if claims.is_file() else None}
+    write_json(path / PIN, pin)
+    return pin
+
+
+def _check_pin(path: Path) -> None:
+    """A study without records: refused if its claims.csv or its pre-registration changed since it was
+    pinned (unless registered as a new version), or if it has primaries and no pin at all."""
+    f, claims = path / PIN, path / "claims.csv"
+    if not f.is_file():
+        if claims.is_file() and study_analysis(path, by_name=True).get("primary"):
+            raise RecordError(f"{path} has pre-registered primaries and no records, and is not pinned ({PIN}): "
+                              f"pin it on purpose with qkgeom amend {path} --pin --note ...")  # fmt: skip
+        return
+    pin = read_json(f)
+    if claims.is_file() and _sha(claims.read_bytes()) != pin.get("claims.csv"):
+        raise RecordError(f"{path}: claims.csv changed after the study was pinned ({PIN}); restore it from git")
+    _check_against(path, {PIN: pin["digest"]})
+
+
 def _record_digests(path: Path) -> dict[str, dict]:
+    if not record_folders(path) and (path / PIN).is_file():  # a pinned study without records
+        return {PIN: read_json(path / PIN)["digest"]}
     out = {}
     for d in record_folders(path):
         judged = read_json(RunDir(d).config).get("record", {}).get("preregistration")
@@ -166,16 +217,22 @@ def _check_seals(path: Path) -> None:
                 )
 
 
-def _check_digests(path: Path) -> None:
-    now = digest(path)
-    allowed = [now]
-    versions = registered_versions(path)
-    if versions and versions[-1]["digest"] == now:
-        allowed = [v["digest"] for v in versions]
+def _check_digests(path: Path, analysis: dict | None = None) -> None:
     stamps = _record_digests(path)
     for d in record_folders(path):
         if d.name not in stamps:
             raise RecordError(f"record {d.name} in {path} carries no pre-registration stamp: it is not read")
+    _check_against(path, stamps, analysis)
+
+
+def _check_against(path: Path, stamps: dict[str, dict], analysis: dict | None = None) -> None:
+    """Refuse where a stamp (record or pin -> the digest it was judged under) is neither the current
+    pre-registration nor, once the current one is registered, any registered version."""
+    now = digest(path, analysis)
+    allowed = [now]
+    versions = registered_versions(path)
+    if versions and versions[-1]["digest"] == now:
+        allowed = [v["digest"] for v in versions]
     for rid, judged in stamps.items():
         if judged in allowed:
             continue
@@ -220,13 +277,15 @@ def _check_identity(path: Path) -> None:
         seen[key] = d.name
 
 
-def check_records(path: str | Path) -> None:
+def check_records(path: str | Path, analysis: dict | None = None) -> None:
     """Refuse (RecordError, one line) a study folder whose records' data changed since they were sealed,
     whose records were judged under another pre-registration than the current one (unless registered
-    as a new version), or whose records' identities do not add up. A folder without records passes."""
+    as a new version), or whose records' identities do not add up. A folder without records passes.
+    analysis: check against the [analysis] a sitting is about to write, before anything is written."""
     path = Path(path)
     if not record_folders(path):
+        _check_pin(path)
         return
     _check_identity(path)  # the most specific message first (a copied folder, a short run, a twin)
     _check_seals(path)
-    _check_digests(path)
+    _check_digests(path, analysis)

@@ -74,6 +74,13 @@ def analyse_revision(
     seq_len = min(pc.seq_len, limit) if limit else pc.seq_len  # e.g. our exported runs have n_ctx < 256
     path, _ = resolve_revision(pc.model, revision)
     tokens, prefix = tokens_fn(path)
+    n_vocab = model.get_input_embeddings().num_embeddings
+    top = max([int(tokens.max()) if len(tokens) else -1, *prefix])
+    if top >= n_vocab:  # an embedding lookup would fail deep inside the model
+        raise archs.PretrainedError(
+            f"the tokenizer gives id {top}, beyond the {n_vocab}-entry vocabulary of {pc.model}: it is not this "
+            "model's tokenizer (pass --tokenizer NAME_OR_FOLDER)"
+        )
     batches = token_batches(tokens, seq_len, pc.batch_size, pc.n_tokens, prefix)
     rows, spectra = analyse_model(
         model, batches, progress, pc.logit_max_seqs or None, getattr(torch, pc.gram_dtype),

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from qkgeom import device as D
@@ -179,7 +180,11 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
         raise PretrainedError(
             f"unsupported model type {config.model_type!r}; supported: {', '.join(sorted(ARCHS))}; {ADD_ARCH_HINT}"
         )
-    need, have = int(1.3 * estimate_bytes(config)), memory_limit or available_memory()
+    try:  # builds the model on the meta device: its constructor checks the shapes (heads dividing the width)
+        need = int(1.3 * estimate_bytes(config))
+    except (ValueError, TypeError, AssertionError) as e:
+        raise _load_error(name, revision, e) from None
+    have = memory_limit or available_memory()
     if need > have:
         raise PretrainedError(
             f"{name} needs about {need / 2**30:.1f} GiB (float32 weights + 30%), only {have / 2**30:.1f} GiB available"
@@ -200,6 +205,8 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
         )
     except (OSError, ValueError) as e:
         raise _load_error(name, revision, e) from None
+    except SafetensorError as e:  # a truncated or corrupt model.safetensors
+        raise PretrainedError(f"the weights of {name} are truncated or corrupt (safetensors: {e})") from None
     except pickle.UnpicklingError:  # torch's weights-only loader refused a pickle that holds more than tensors
         raise PretrainedError(
             f"the weights of {name} are a pickle holding more than tensors; torch refuses to unpickle it (it could "

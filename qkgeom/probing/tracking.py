@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -178,6 +179,7 @@ class Probe:
         self.tb = TensorBoardLog(tensorboard) if tensorboard else None  # a missing package: refused before the lock
         self.sinks = list(sinks)  # the host's trackers (integrations.trackers): the layer-mean scalars per probe
         self.sent = {name: 0 for name, _ in self.sinks}
+        self.dropped: dict[str, str] = {}  # sink -> why it was dropped (done.json)
         self.info = self._run_info(name, seed, data_seed)
         self._lock = contextlib.ExitStack()
         self._lock.enter_context(folder_lock(self.rd.path))  # also creates the folder
@@ -298,11 +300,24 @@ class Probe:
             self.tb.write(step, rows)
         if self.sinks:
             means = layer_means(rows)
-            for name, send in self.sinks:
-                self.sent[name] += bool(send(step, means))
+            for name, send in list(self.sinks):
+                try:
+                    self.sent[name] += bool(send(step, means))
+                except Exception as e:  # noqa: BLE001 - a host tracker's failure must not end the training run
+                    self.drop_sink(name, step, e)
         self.last_step = max(self.last_step, step)
         self.probe_seconds += time.perf_counter() - tic
         return True
+
+    def drop_sink(self, name: str, step: int, error: Exception) -> None:
+        """A tracker that raised is reported once (stderr now, done.json at the end) and sent nothing more:
+        the geometry is in the run folder either way."""
+        why = (
+            f"{type(error).__name__} at step {step}: {str(error).strip().splitlines()[0] if str(error).strip() else ''}"
+        )
+        self.dropped[name] = why
+        self.sinks = [(n, f) for n, f in self.sinks if n != name]
+        print(f"qkgeom.Probe: tracker {name} failed ({why}); dropped, training goes on", file=sys.stderr)
 
     @torch.no_grad()
     def measure(self) -> tuple[list[dict], dict]:
@@ -385,7 +400,8 @@ class Probe:
                 "probe_seconds": self.probe_seconds,
                 "final_valid_loss": final_valid_loss,
             }
-            | ({"scalars_sent": self.sent} if self.sinks else {}),
+            | ({"scalars_sent": self.sent} if self.sent else {})
+            | ({"sinks_dropped": self.dropped} if self.dropped else {}),
         )
         self.close()
         return self.rd.path

@@ -168,6 +168,7 @@ def train(
     The folder is locked for the whole run: a second process on it is refused (FolderLockedError).
     """
     C.validate(cfg)
+    check_device(cfg.train.device, "train.device")  # before the folder exists: a refused run writes nothing
     tb = TensorBoardLog(tensorboard) if tensorboard else None  # a missing package fails before training
     try:
         with folder_lock(Path(run_dir)):

@@ -99,6 +99,9 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
         raise SweepError(f"unknown key {bad[0]!r} in [sweep] of {p}")
     if head.get("order", "cost") not in SWEEP_ORDERS:
         raise SweepError(f"[sweep] order in {p} is {head['order']!r}; allowed: {', '.join(SWEEP_ORDERS)}")
+    name = head.get("name", p.stem)
+    if not isinstance(name, str) or C.safe_name(name) != name:  # its folder is runs/<name>: nothing outside
+        raise SweepError(f"[sweep] name {name!r} in {p} must be a plain folder name (letters, digits, . _ = , + -)")
     fixed = dict(data.get("set", {}))
     grid_keys = {k.strip() for key in data.get("grid", {}) for k in key.split(",")}
     for item in extra or []:
@@ -110,7 +113,7 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
             )
         fixed[key.strip()] = C.parse_scalar(text.strip())
     spec = SweepSpec(
-        name=head.get("name", p.stem),
+        name=name,
         base=head.get("base", "tiny"),
         fixed=fixed,
         grid=dict(data.get("grid", {})),
