@@ -272,7 +272,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     n_traj = a.trajectories.groupby(["intervention", "qk_init", "n_layers", "layer"]).ngroups
     print(
         f"\n{a.geometry['run_id'].nunique()} runs, {n_traj} seed-averaged layer trajectories; "
-        f"wrote {a.path / 'claims.csv'} and {a.path / 'summary.csv'} (and .parquet)"
+        f"wrote {a.path / ('interim_checks.csv' if a.blind else 'claims.csv')} and {a.path / 'summary.csv'} "
+        "(and .parquet)"
     )
     return 0
 

@@ -159,7 +159,8 @@ def test_analyze_on_a_partial_study_hides_the_outcome(tmp_path):
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("BLIND: 3 of 12 seeds recorded; primary outcome hidden")
-    claims = pd.read_csv(tmp_path / "claims.csv")
+    assert not (tmp_path / "claims.csv").exists() and not (tmp_path / "verdicts.csv").exists()
+    claims = pd.read_csv(tmp_path / "interim_checks.csv")  # the checks only, in their own table
     assert not claims["claim"].str.contains("entropy|validation loss").any()
     assert "entropy" not in r.stdout and not (tmp_path / "matched_dose.csv").exists()
     assert claims["primary"].isna().all()  # V1-V4 are outcomes: none is shown

@@ -6,6 +6,7 @@ line prints. Nothing here draws: report.study renders these tables (measure < ju
 <dir>/summary.parquet|csv   seed-averaged layer trajectories
 <dir>/claims.parquet|csv    the claims table (main and/or intervention study)
 <dir>/verdicts.csv          one line per judged claim (verdicts)
+<dir>/interim_checks.csv    instead of both, while a study is blind (fewer seeds than registered)
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from qkgeom.analysis import causal, matched
 from qkgeom.analysis import claims as A
 from qkgeom.analysis.prereg import study_analysis
 from qkgeom.results import SWEEP_MANIFEST, read_json, write_table
+
+INTERIM_CHECKS = "interim_checks"  # a blind study's table: its checks, without any outcome row
 
 
 @dataclass
@@ -88,7 +91,10 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     tables["verdicts"] = verdicts(claims)
     if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
         tables["scale_check"] = claims[claims["claim"].str.contains(" - sham: (?:scale check|delivered dose)")]
-    for name, df in {"summary": traj, "claims": claims, **tables}.items():
+    written = {"summary": traj, "claims": claims, **tables}
+    if blind:  # no claims.csv or verdicts.csv until the registered n is in: the checks go to their own table
+        written = {"summary": traj, INTERIM_CHECKS: claims}
+    for name, df in written.items():
         write_table(path, name, df, parquet=True)
     per_run = A.per_run_statistics(A.window(base if len(base) else geometry, "post-transient"))
     points = causal.dose_points(geometry) if geometry["intervention"].nunique() > 1 and not blind else None
