@@ -30,7 +30,8 @@ from qkgeom import config as C
 from qkgeom.config import arm_config
 from qkgeom.probing.probe import gpt_weights
 from qkgeom.results import RunDir, kept_checkpoint, read_json
-from qkgeom.training import interventions as I
+from qkgeom.training import complement as K
+from qkgeom.training import maps as M
 from qkgeom.training.data import Vocab, fixed_offsets, gather, load_corpus
 from qkgeom.training.model import GPT
 
@@ -42,12 +43,12 @@ HELD_OUT = 32  # the study's probe batch (probe.n_seqs)
 @torch.no_grad()
 def layer_row_std(model: GPT, idx: torch.Tensor, layers: tuple[int, ...]) -> np.ndarray:
     """Per layer in `layers`: the mean over heads of the per-row logit std on idx (B, T)."""
-    xs = I.attention_inputs(model, idx)
+    xs = K.attention_inputs(model, idx)
     w_q, w_k = gpt_weights(model)
     out = []
     for li in layers:
         x = xs[li].unsqueeze(0).expand(len(w_q[li]), -1, -1, -1)
-        out.append(float(I.batch_row_std(w_q[li], w_k[li], x).mean()))
+        out.append(float(M.batch_row_std(w_q[li], w_k[li], x).mean()))
     return np.array(out)
 
 
@@ -55,10 +56,10 @@ def mapped(model: GPT, model0: GPT, label: str, control: torch.Tensor, steps: in
     """A copy of `model` with arm `label`'s map applied on LAYERS and the closed loop's rescaling fitted
     on `control` (targets: the model's own PR_K and row std on the control set)."""
     cfg = dataclasses.replace(arm_config(label), layers=LAYERS, floor=1.2, control_seqs=len(control))
-    ((_, ctl),) = I.instant_controls((label,), *gpt_weights(model0), steps, LAYERS, 1.2, len(control))
+    ((_, ctl),) = K.instant_controls((label,), *gpt_weights(model0), steps, LAYERS, 1.2, len(control))
     assert ctl.cfg == cfg
-    current, cov, inputs = I.self_reference(model, control)
-    return I.mapped_copy(model, ctl, 0, current, cov, inputs)
+    current, cov, inputs = K.self_reference(model, control)
+    return K.mapped_copy(model, ctl, 0, current, cov, inputs)
 
 
 @torch.no_grad()
@@ -70,13 +71,13 @@ def step_cost(model: GPT, control: torch.Tensor, reps: int = 20) -> float:
     k = torch.cat([w_k[li] for li in LAYERS])
     tic = time.perf_counter()
     for _ in range(reps):
-        xs = I.attention_inputs(model, control)
+        xs = K.attention_inputs(model, control)
     refresh = (time.perf_counter() - tic) / reps
     x = torch.cat([xs[li].unsqueeze(0).expand(len(w_q[li]), -1, -1, -1) for li in LAYERS])
     target = torch.ones(len(q), dtype=torch.float64)
     tic = time.perf_counter()
     for _ in range(reps):
-        I.match_row_std(q, k, x, target)
+        M.match_row_std(q, k, x, target)
     return 1e3 * ((time.perf_counter() - tic) / reps + refresh / 10)
 
 

@@ -91,6 +91,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.runs) / "train" / C.run_id(cfg)
     rd = train(cfg, out, resume=args.resume, progress=not args.no_progress, tensorboard=args.tensorboard)
     print(f"run complete: {rd.path}")
+    done = json.loads(rd.done.read_text())
+    if "unigram_baseline" in done:
+        loss, base, tokens = done["final_valid_loss"], done["unigram_baseline"], done["tokens_seen"]
+        where = "below" if loss < base else "not yet below"
+        print(
+            f"  validation loss {loss:.3f} nats/token, {where} the unigram baseline {base:.3f}, after "
+            f"{tokens:,} tokens ({tokens / done['n_parameters']:.2f} per parameter)"
+        )
+    print(f"  next: qkgeom report {rd.path}   (figures, per-layer table, context)")
     return 0
 
 

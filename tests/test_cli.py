@@ -56,3 +56,23 @@ def test_bad_input_is_one_line_unless_debugging(tmp_path, debug, traceback):
     assert ("Traceback" in r.stderr) == traceback
     if not traceback:
         assert r.stderr.count("\n") == 1
+
+
+def test_train_ends_with_where_it_got_and_what_to_run_next(tmp_path, wikitext):
+    """`qkgeom train` ended with the folder only. Now: the final validation loss against the unigram
+    baseline (both written into done.json, with tokens and parameters) and the next command."""
+    import json
+
+    from qkgeom.analysis.context import n_parameters, unigram_baseline
+
+    r = qk("train", "tiny", "--no-progress", "--set", "train.steps=10", "--out", str(tmp_path / "r"))
+    assert r.returncode == 0, r.stderr
+    done = json.loads((tmp_path / "r" / "done.json").read_text())
+    info = json.loads((tmp_path / "r" / "config.json").read_text())
+    vocab = (tmp_path / "r" / "vocab.json").read_text()
+    assert done["unigram_baseline"] == unigram_baseline("wikitext-2", "char", vocab)  # the analysis' own value
+    assert done["n_parameters"] == n_parameters(info["config"]["model"], done["vocab_size"])
+    assert done["tokens_seen"] == 10 * 8 * 32
+    lines = r.stdout.strip().splitlines()
+    assert f"{done['final_valid_loss']:.3f} nats/token, not yet below the unigram baseline" in lines[-2]
+    assert lines[-1].strip().startswith(f"next: qkgeom report {tmp_path / 'r'}")

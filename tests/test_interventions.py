@@ -6,7 +6,9 @@ import torch
 
 from qkgeom import config as C
 from qkgeom.probing.geometry import interaction_singular_values, participation_ratio, singular_values
+from qkgeom.training import complement as K
 from qkgeom.training import interventions as I
+from qkgeom.training import maps as M
 from qkgeom.training.loop import train
 from tests.conftest import tiny_config
 
@@ -18,7 +20,7 @@ def pr2(sv):
 @pytest.mark.parametrize("target", [1.0, 1.7, 3.0, 5.5, 8.0])
 def test_profile_with_pr_hits_target_and_keeps_norm(target):
     sv = torch.linspace(3, 0.5, 8, dtype=torch.float64)  # PR(s^2) ~ 4.9
-    new = I.profile_with_pr(sv, target)
+    new = M.profile_with_pr(sv, target)
     assert pr2(new) == pytest.approx(target, rel=1e-9)
     assert new.norm().item() == pytest.approx(sv.norm().item(), rel=1e-12)
     assert torch.all(new[:-1] >= new[1:] - 1e-12)  # still sorted
@@ -26,18 +28,18 @@ def test_profile_with_pr_hits_target_and_keeps_norm(target):
 
 def test_profile_with_pr_identity_at_own_pr():
     sv = torch.tensor([2.0, 1.0, 0.5], dtype=torch.float64)
-    assert torch.allclose(I.profile_with_pr(sv, pr2(sv)), sv)
+    assert torch.allclose(M.profile_with_pr(sv, pr2(sv)), sv)
 
 
 def test_hold_profile_and_schedule():
     s0 = torch.tensor([4.0, 2.0, 1.0], dtype=torch.float64)
     s = torch.tensor([1.0, 1.0, 1.0], dtype=torch.float64)
-    held = I.hold_profile(s, s0)
+    held = M.hold_profile(s, s0)
     assert torch.allclose(held / held.norm(), s0 / s0.norm()) and held.norm().item() == pytest.approx(s.norm().item())
-    assert I.scheduled_target(10.0, 0, 100, 0.4, 0.5) == 10.0
-    assert I.scheduled_target(10.0, 25, 100, 0.4, 0.5) == pytest.approx(7.0)
-    assert I.scheduled_target(10.0, 50, 100, 0.4, 0.5) == pytest.approx(4.0)
-    assert I.scheduled_target(10.0, 90, 100, 0.4, 0.5) == pytest.approx(4.0)
+    assert M.scheduled_target(10.0, 0, 100, 0.4, 0.5) == 10.0
+    assert M.scheduled_target(10.0, 25, 100, 0.4, 0.5) == pytest.approx(7.0)
+    assert M.scheduled_target(10.0, 50, 100, 0.4, 0.5) == pytest.approx(4.0)
+    assert M.scheduled_target(10.0, 90, 100, 0.4, 0.5) == pytest.approx(4.0)
 
 
 def test_apply_touches_only_selected_heads_and_layers():
@@ -69,9 +71,9 @@ def test_interaction_control_closed_form(target):
     # unselected heads and layers are untouched
     w_q, w_k = _heads(0), _heads(1)
     before_q, before_k = [x.clone() for x in w_q], [x.clone() for x in w_k]
-    s0, _, _ = I.set_interaction_spectrum(w_q[1], w_k[1]) + (None, None)
-    new_s = torch.stack([I.profile_with_pr(s0[h], target) for h in range(4)])
-    _, q1, k1 = I.set_interaction_spectrum(w_q[1], w_k[1], new_s)
+    s0, _, _ = M.set_interaction_spectrum(w_q[1], w_k[1]) + (None, None)
+    new_s = torch.stack([M.profile_with_pr(s0[h], target) for h in range(4)])
+    _, q1, k1 = M.set_interaction_spectrum(w_q[1], w_k[1], new_s)
     m0, m1 = w_q[1] @ w_k[1].transpose(-1, -2), q1 @ k1.transpose(-1, -2)
     sv1 = torch.linalg.svdvals(m1)[:, :6]
     assert torch.allclose(participation_ratio(sv1**2), torch.full((4,), target, dtype=torch.float64), atol=1e-6)
@@ -87,7 +89,7 @@ def test_interaction_control_closed_form(target):
     ctl = I.SpectrumControl.create(cfg, w_q, w_k, total_steps=10)
     pr_before = float(participation_ratio(s0[2] ** 2))
     ctl.apply(w_q, w_k, 5)  # reach 0.5 x 10 = step 5: the target is 0.5 x initial PR
-    s_after = I.set_interaction_spectrum(w_q[1][2:3], w_k[1][2:3])[0][0]
+    s_after = M.set_interaction_spectrum(w_q[1][2:3], w_k[1][2:3])[0][0]
     assert float(participation_ratio(s_after**2)) == pytest.approx(0.5 * pr_before, abs=1e-6)
     assert torch.equal(w_q[0], before_q[0]) and torch.equal(w_k[0], before_k[0])
     for h in (0, 1, 3):
@@ -228,12 +230,12 @@ def test_interaction_spectrum_fallbacks_on_ill_conditioned_heads(scale):
     # all must match a plain SVD of the D x D product
     w_q, w_k = _heads(4)[0], _heads(5)[0]
     w_k[:, :, -1] *= scale
-    s = I.set_interaction_spectrum(w_q, w_k)[0]
+    s = M.set_interaction_spectrum(w_q, w_k)[0]
     ref = torch.linalg.svdvals(w_q @ w_k.transpose(-1, -2))[:, :6]
     assert torch.allclose(s, ref, rtol=1e-9, atol=1e-12 * float(ref.max()))
     target = torch.full((4,), 2.0, dtype=torch.float64)
-    new_s = I.profiles_with_pr(s, target)
-    _, q1, k1 = I.set_interaction_spectrum(w_q, w_k, new_s)
+    new_s = M.profiles_with_pr(s, target)
+    _, q1, k1 = M.set_interaction_spectrum(w_q, w_k, new_s)
     got = torch.linalg.svdvals(q1 @ k1.transpose(-1, -2))[:, :6]
     assert torch.allclose(got, new_s, rtol=1e-7, atol=1e-9 * float(ref.max()))
     assert torch.isfinite(q1).all() and torch.isfinite(k1).all()
@@ -260,22 +262,22 @@ def test_controls_fall_back_to_the_svd_where_eigh_fails(monkeypatch):
     # route and give the same result, not stop training
     w_q, w_k = _heads(8), _heads(9)
     target = torch.full((4,), 2.0, dtype=torch.float64)
-    s_ref, q_ref, k_ref = I.set_interaction_spectrum(w_q[0], w_k[0], I.profiles_with_pr(
-        I.set_interaction_spectrum(w_q[0], w_k[0])[0], target))  # fmt: skip
-    sv_ref, v_ref = I.key_spectrum(w_k[0])
+    s_ref, q_ref, k_ref = M.set_interaction_spectrum(w_q[0], w_k[0], M.profiles_with_pr(
+        M.set_interaction_spectrum(w_q[0], w_k[0])[0], target))  # fmt: skip
+    sv_ref, v_ref = M.key_spectrum(w_k[0])
 
     def broken(*args, **kwargs):
         raise torch.linalg.LinAlgError("simulated eigh failure")
 
     monkeypatch.setattr(torch.linalg, "eigh", broken)
-    s, q, k = I.set_interaction_spectrum(w_q[0], w_k[0], I.profiles_with_pr(s_ref, target))
+    s, q, k = M.set_interaction_spectrum(w_q[0], w_k[0], M.profiles_with_pr(s_ref, target))
     assert torch.allclose(s, s_ref, rtol=1e-10) and torch.allclose(
         q @ k.transpose(-1, -2), q_ref @ k_ref.transpose(-1, -2)
     )
-    sv, v = I.key_spectrum(w_k[0])
+    sv, v = M.key_spectrum(w_k[0])
     assert torch.allclose(sv, sv_ref, rtol=1e-10)
     assert torch.allclose((v @ v.transpose(-1, -2)), torch.eye(6, dtype=torch.float64).expand(4, 6, 6), atol=1e-12)
-    assert torch.allclose(I.set_key_spectrum(w_k[0], sv, v, sv), w_k[0], atol=1e-12)
+    assert torch.allclose(M.set_key_spectrum(w_k[0], sv, v, sv), w_k[0], atol=1e-12)
 
 
 def _weights(h: int, d: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Generator]:
@@ -305,24 +307,24 @@ def test_logit_scale_is_the_variance_of_logits_between_independent_inputs():
     )
     m = w_q[0] @ w_k[0].T / 2.0
     mc = ((x @ m) * x2).sum(-1).pow(2).mean()
-    assert float(I.logit_scale(w_q, w_k, c)[0]) == pytest.approx(float(mc), rel=0.02)
+    assert float(M.logit_scale(w_q, w_k, c)[0]) == pytest.approx(float(mc), rel=0.02)
     # with a mean: the variance over keys of one query's logits, averaged over queries (the key mean
     # shifts a whole row and cancels; the query mean stays)
     mu = torch.randn(16, generator=g, dtype=torch.float64)
     queries, keys = x[:400] + mu, x2[:4000] + mu
     row_var = ((queries @ m) @ keys.T).var(dim=1, correction=0).mean()
-    assert float(I.logit_scale(w_q, w_k, c, mu)[0]) == pytest.approx(float(row_var), rel=0.05)
-    assert float(I.logit_scale(w_q, w_k, c, mu)[0]) > 1.2 * float(I.logit_scale(w_q, w_k, c)[0])
+    assert float(M.logit_scale(w_q, w_k, c, mu)[0]) == pytest.approx(float(row_var), rel=0.05)
+    assert float(M.logit_scale(w_q, w_k, c, mu)[0]) > 1.2 * float(M.logit_scale(w_q, w_k, c)[0])
 
 
 def test_scale_matching_keeps_the_input_weighted_logit_scale():
     w_q, w_k, g = _weights(4, 32, 8, seed=2)
     c = _cov(32, 3)
-    before = I.logit_scale(w_q, w_k, c)
-    shaped, used, _ = I.key_shape_map(w_k, c, torch.full((4,), 2.5))  # a shape change moves the scale
-    assert not torch.allclose(I.logit_scale(w_q, shaped, c), before)
-    q2, k2 = I.match_logit_scale(w_q, shaped, c, before)
-    torch.testing.assert_close(I.logit_scale(q2, k2, c), before, rtol=1e-6, atol=0)
+    before = M.logit_scale(w_q, w_k, c)
+    shaped, used, _ = M.key_shape_map(w_k, c, torch.full((4,), 2.5))  # a shape change moves the scale
+    assert not torch.allclose(M.logit_scale(w_q, shaped, c), before)
+    q2, k2 = M.match_logit_scale(w_q, shaped, c, before)
+    torch.testing.assert_close(M.logit_scale(q2, k2, c), before, rtol=1e-6, atol=0)
 
 
 def test_the_key_map_reaches_its_pr_target_and_leaves_w_q_alone():
@@ -331,14 +333,14 @@ def test_the_key_map_reaches_its_pr_target_and_leaves_w_q_alone():
     w_k = torch.randn(4, 32, 8, generator=g, dtype=torch.float64)
     c = _cov(32, 5)
     target = torch.tensor([1.8, 3.0, 5.5, 7.9], dtype=torch.float64)
-    new, used, floored = I.key_shape_map(w_k, c, target)
+    new, used, floored = M.key_shape_map(w_k, c, target)
     lam = torch.linalg.eigvalsh(new.transpose(-1, -2) @ c @ new)
     torch.testing.assert_close(participation_ratio(lam), target, rtol=1e-6, atol=0)
     old_total = torch.linalg.eigvalsh(w_k.transpose(-1, -2) @ c @ w_k).sum(-1)
     torch.testing.assert_close(lam.sum(-1), old_total, rtol=1e-9, atol=0)  # total key variance kept
     assert not floored.any()
     # below the feasibility floor a target is raised to it, never clipped to rank one
-    new, used, floored = I.key_shape_map(w_k, c, torch.tensor([0.6, 1.2, 3.0, 4.0], dtype=torch.float64))
+    new, used, floored = M.key_shape_map(w_k, c, torch.tensor([0.6, 1.2, 3.0, 4.0], dtype=torch.float64))
     assert floored.tolist() == [True, True, False, False] and used[:2].tolist() == [1.5, 1.5]
     lam = torch.linalg.eigvalsh(new.transpose(-1, -2) @ c @ new)
     torch.testing.assert_close(
@@ -349,7 +351,7 @@ def test_the_key_map_reaches_its_pr_target_and_leaves_w_q_alone():
 def test_the_temperature_arm_changes_no_spectrum_shape():
     w_q, w_k, g = _weights(4, 32, 8, seed=6)
     c = _cov(32, 7)
-    q2, k2 = I.temperature(w_q, w_k, torch.tensor([0.5, 1.0, 2.0, 3.0]))
+    q2, k2 = M.temperature(w_q, w_k, torch.tensor([0.5, 1.0, 2.0, 3.0]))
 
     def shape(s: torch.Tensor) -> torch.Tensor:
         return s / s.norm(dim=-1, keepdim=True)
@@ -361,7 +363,7 @@ def test_the_temperature_arm_changes_no_spectrum_shape():
     ):
         torch.testing.assert_close(shape(after), shape(before), rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(
-        I.logit_scale(q2, k2, c), I.logit_scale(w_q, w_k, c) * torch.tensor([0.25, 1.0, 4.0, 9.0], dtype=torch.float64)
+        M.logit_scale(q2, k2, c), M.logit_scale(w_q, w_k, c) * torch.tensor([0.25, 1.0, 4.0, 9.0], dtype=torch.float64)
     )
 
 
@@ -405,18 +407,18 @@ def test_matched_scale_keeps_every_heads_logit_scale_and_temperature_sets_it():
         cov = _cov(32, 21)
         ctl = _control(kind, [cov], w_q, w_k, match_scale=True, **iv)
         w_k[0].add_(0.3 * torch.randn(4, 32, 8, generator=torch.Generator().manual_seed(22), dtype=torch.float64))
-        before = I.logit_scale(w_q[0], w_k[0], cov)
+        before = M.logit_scale(w_q[0], w_k[0], cov)
         s_before = singular_values(w_k[0])
         ctl.apply(w_q, w_k, 5)
         assert not torch.allclose(singular_values(w_k[0]), s_before)  # the shape did change
-        torch.testing.assert_close(I.logit_scale(w_q[0], w_k[0], cov), before, rtol=1e-6, atol=0)
+        torch.testing.assert_close(M.logit_scale(w_q[0], w_k[0], cov), before, rtol=1e-6, atol=0)
     w_q, w_k, _ = _weights(4, 32, 8, seed=23)
     w_q, w_k = [w_q.clone()], [w_k.clone()]
     cov = _cov(32, 24)
     ctl = _control("temperature", [cov], w_q, w_k, ratio=0.5)
     ctl.apply(w_q, w_k, 5)
     torch.testing.assert_close(
-        I.logit_scale(w_q[0], w_k[0], cov), torch.full((4,), 0.25 * 0.5, dtype=torch.float64), rtol=1e-9, atol=0
+        M.logit_scale(w_q[0], w_k[0], cov), torch.full((4,), 0.25 * 0.5, dtype=torch.float64), rtol=1e-9, atol=0
     )
 
 
@@ -494,7 +496,7 @@ def test_zero_training_complement_on_a_none_run(tmp_path):
     rd = train(tiny_config(train={"steps": 20}, intervention={"instant": labels}), tmp_path / "none", progress=False)
     assert [r["loss"] for r in rd.read_metrics()] == [r["loss"] for r in plain.read_metrics()]
     g = rd.read_geometry()
-    inst = g[g.metric == I.INSTANT_METRIC]
+    inst = g[g.metric == K.INSTANT_METRIC]
     assert sorted(inst.step.unique()) == [10, 20] and set(inst.site) == set(labels)
     per = inst[inst["head"] >= 0].set_index(["site", "step", "layer", "head"])["value"]
     assert per.loc["shape:activation:1:matched"].abs().max() < 1e-4
@@ -504,7 +506,7 @@ def test_zero_training_complement_on_a_none_run(tmp_path):
     from qkgeom.analysis.claims import load_runs
 
     loaded = load_runs(tmp_path / "none")  # the analysis keeps every arm's rows (site = the arm)
-    assert set(loaded.loc[loaded.metric == I.INSTANT_METRIC, "site"]) == set(labels)
+    assert set(loaded.loc[loaded.metric == K.INSTANT_METRIC, "site"]) == set(labels)
 
 
 def test_match_row_std_sets_the_probes_statistic_exactly_and_changes_no_shape():
@@ -517,10 +519,10 @@ def test_match_row_std_sets_the_probes_statistic_exactly_and_changes_no_shape():
     x = torch.randn(3, 2, 10, 16, generator=g)
     q, k = x.double() @ w_q.double().unsqueeze(1), x.double() @ w_k.double().unsqueeze(1)
     ref = torch.stack([logit_row_std(q[h], k[h])[:, 1:].mean() for h in range(3)])  # row 0 sees one key
-    assert torch.allclose(I.batch_row_std(w_q, w_k, x), ref, rtol=1e-5)  # float32 scores
+    assert torch.allclose(M.batch_row_std(w_q, w_k, x), ref, rtol=1e-5)  # float32 scores
     target = torch.tensor([0.5, 1.0, 3.0], dtype=torch.float64)
-    nq, nk = I.match_row_std(w_q.double(), w_k.double(), x, target)
-    assert torch.allclose(I.batch_row_std(nq, nk, x), target, rtol=1e-5)
+    nq, nk = M.match_row_std(w_q.double(), w_k.double(), x, target)
+    assert torch.allclose(M.batch_row_std(nq, nk, x), target, rtol=1e-5)
     ratio = singular_values(nk) / singular_values(w_k.double())  # one gain per head: no shape change
     assert torch.allclose(ratio, ratio[:, :1].expand_as(ratio), rtol=1e-10)
 

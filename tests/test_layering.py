@@ -25,7 +25,9 @@ ORDER = [
     ["probing.hf", "probing.scalars"],
     ["probing.tracking"],
     # training: our GPT, steered
-    ["training", "training.model", "training.data", "training.interventions", "training.precision"],
+    ["training", "training.model", "training.data", "training.maps", "training.precision"],
+    ["training.interventions"],
+    ["training.complement"],
     ["training.loop"],
     ["training.sweep"],
     # analysis: runs -> verdicts
@@ -141,14 +143,18 @@ def test_the_report_draws_and_judges_nothing():
         assert not any(d.startswith("report") for d in imports_of(path)), m
 
 
-# Modules over the cap when it was set (issue 45), to be split along their seams; the list only shrinks.
-OVER_CAP = {"config", "cli", "training.loop", "training.interventions", "analysis.claims", "analysis.causal",
-            "probing.geometry", "probing.probe", "report.plots"}  # fmt: skip
+# Modules over the cap when it was set (issue 45), to be split along their seams, each frozen at its size
+# (issue 55: the list named modules, not sizes, and they grew): a listed module may shrink, never grow,
+# and leaves the list once under the cap. training.interventions left it on 2026-12-04 (maps, complement).
+OVER_CAP = {"config": 588, "cli": 631, "training.loop": 531, "analysis.claims": 541, "analysis.causal": 551,
+            "probing.geometry": 613, "probing.probe": 608, "report.plots": 529}  # fmt: skip
 CAP = 500
 
 
 def test_no_module_grows_past_the_cap():
     sizes = {module_name(p): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     over = {m for m, n in sizes.items() if n > CAP}
-    assert over <= OVER_CAP, f"over {CAP} lines: {sorted(over - OVER_CAP)}"
-    assert not OVER_CAP - over, f"now under the cap, drop from OVER_CAP: {sorted(OVER_CAP - over)}"
+    assert over <= set(OVER_CAP), f"over {CAP} lines: {sorted(over - set(OVER_CAP))}"
+    assert not set(OVER_CAP) - over, f"now under the cap, drop from OVER_CAP: {sorted(set(OVER_CAP) - over)}"
+    grown = {m: (sizes[m], n) for m, n in OVER_CAP.items() if sizes[m] > n}
+    assert not grown, f"frozen modules grew (now, frozen at): {grown}"

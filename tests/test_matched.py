@@ -95,7 +95,8 @@ def held_out_row_std(control_seqs: int, wikitext) -> pd.Series:  # noqa: ARG001 
 
     from qkgeom import config as C
     from qkgeom.probing.probe import gpt_weights
-    from qkgeom.training import interventions as I
+    from qkgeom.training import complement as K
+    from qkgeom.training import maps
     from qkgeom.training.data import fixed_offsets, gather, load_corpus
     from qkgeom.training.model import GPT
 
@@ -107,14 +108,14 @@ def held_out_row_std(control_seqs: int, wikitext) -> pd.Series:  # noqa: ARG001 
     rows = []
     for seed in range(4):
         model = GPT(cfg.model, corpus.vocab.size, seed=seed)
-        current, cov, inputs = I.self_reference(model, control)
+        current, cov, inputs = K.self_reference(model, control)
         labels = (M.SHAM, "shape:activation:0.3:closed", "temperature:logit:0.8")
-        for label, ctl in I.instant_controls(labels, *gpt_weights(model), 100, (0, 1), 1.0, control_seqs):
-            twin = I.mapped_copy(model, ctl, 0, current, cov, inputs)
-            xs, (w_q, w_k) = I.attention_inputs(twin, held), gpt_weights(twin)
+        for label, ctl in K.instant_controls(labels, *gpt_weights(model), 100, (0, 1), 1.0, control_seqs):
+            twin = K.mapped_copy(model, ctl, 0, current, cov, inputs)
+            xs, (w_q, w_k) = K.attention_inputs(twin, held), gpt_weights(twin)
             for layer in (0, 1):
                 x = xs[layer].unsqueeze(0).expand(len(w_q[layer]), -1, -1, -1)
-                rows.append((label, seed, layer, float(I.batch_row_std(w_q[layer], w_k[layer], x).mean())))
+                rows.append((label, seed, layer, float(maps.batch_row_std(w_q[layer], w_k[layer], x).mean())))
     df = pd.DataFrame(rows, columns=["intervention", "seed", "layer", "value"])
     return df.set_index(["intervention", "seed", "layer"])["value"]
 

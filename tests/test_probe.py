@@ -161,7 +161,7 @@ def test_logit_scale_and_row_std_rows_match_direct_computations():
     from qkgeom.config import ModelConfig
     from qkgeom.probing.hooks import capture
     from qkgeom.probing.probe import gpt_weights, probe_gpt
-    from qkgeom.training.interventions import logit_scale
+    from qkgeom.training.maps import logit_scale
     from qkgeom.training.model import GPT
 
     model = GPT(ModelConfig(n_layers=2, d_model=32, n_heads=4, n_ctx=16), 40, seed=3)

@@ -18,6 +18,7 @@ import torch
 from qkgeom import config as C
 from qkgeom.results import RunDir, read_json
 from qkgeom.training.data import DataError, Vocab, load_corpus
+from qkgeom.training.data import unigram_baseline as data_unigram_baseline
 from qkgeom.training.model import GPT
 
 
@@ -25,10 +26,9 @@ from qkgeom.training.model import GPT
 def unigram_baseline(source: str, tokenizer: str, vocab_json: str) -> float:
     """Cross-entropy (nats/token) of the validation split under the training split's token
     frequencies (add-one smoothed): what a model that ignores all context would score."""
-    corpus = load_corpus(C.DataConfig(source=source, tokenizer=tokenizer), Vocab.from_json(vocab_json))
-    counts = np.bincount(np.asarray(corpus.splits["train"]), minlength=corpus.vocab.size) + 1.0
-    logp = np.log(counts / counts.sum())
-    return float(-logp[np.asarray(corpus.splits["valid"])].mean())
+    return data_unigram_baseline(
+        load_corpus(C.DataConfig(source=source, tokenizer=tokenizer), Vocab.from_json(vocab_json))
+    )
 
 
 def n_parameters(model_cfg: dict, vocab_size: int) -> int:

@@ -15,7 +15,7 @@ from qkgeom.errors import QKGeomError
 from qkgeom.probing.archs import one_site
 from qkgeom.results import RECORDS_DIR, RunDir, is_pretrained_output, read_json
 
-INSTANT_METRIC = "attention_entropy_instant_change"  # training.interventions.INSTANT_METRIC: site = an arm
+INSTANT_METRIC = "attention_entropy_instant_change"  # training.complement.INSTANT_METRIC: site = an arm
 
 RUN_COLUMNS = ["run_id", "n_layers", "qk_init", "seed", "data_seed", "intervention", "steps", "warmup_steps"]
 

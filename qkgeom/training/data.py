@@ -256,6 +256,14 @@ class Corpus:
     folder: Path
 
 
+def unigram_baseline(corpus: Corpus) -> float:
+    """Cross-entropy (nats/token) of the validation split under the training split's token frequencies
+    (add-one smoothed): what a model that ignores all context would score."""
+    counts = np.bincount(np.asarray(corpus.splits["train"]), minlength=corpus.vocab.size) + 1.0
+    logp = np.log(counts / counts.sum())
+    return float(-logp[np.asarray(corpus.splits["valid"])].mean())
+
+
 def load_corpus(cfg: DataConfig, vocab: Vocab | None = None) -> Corpus:
     """Resolve, (download,) build the vocabulary (unless given, e.g. on resume) and encode."""
     folder = resolve_source(cfg.source)

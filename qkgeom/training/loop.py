@@ -27,8 +27,9 @@ from qkgeom.probing.geometry import NumericalWarning
 from qkgeom.probing.probe import gpt_weights, probe_gpt
 from qkgeom.probing.scalars import TensorBoardLog
 from qkgeom.results import LAST_CHECKPOINT, RunDir, folder_lock, kept_checkpoint, provenance, read_json, write_json
+from qkgeom.training import complement as K
 from qkgeom.training import interventions as I
-from qkgeom.training.data import Vocab, batch_offsets, cache_dir, fixed_offsets, gather, load_corpus
+from qkgeom.training.data import Vocab, batch_offsets, cache_dir, fixed_offsets, gather, load_corpus, unigram_baseline
 from qkgeom.training.model import GPT
 from qkgeom.training.precision import attention_path, choose_cpu_attention
 
@@ -280,6 +281,7 @@ class _Run:
             raise TrainingError(f"cannot resume: {rd.vocab} is missing or corrupt ({type(e).__name__})") from None
         corpus = load_corpus(cfg.data, vocab)
         self.train_data, self.valid_data = corpus.splits["train"], corpus.splits["valid"]
+        self.vocab_size, self.unigram_baseline = corpus.vocab.size, unigram_baseline(corpus)
         self.model = GPT(m, corpus.vocab.size, seed=t.seed).to(self.device)
         if self.device.startswith("cuda"):
             torch.backends.cuda.matmul.allow_tf32 = True
@@ -306,7 +308,7 @@ class _Run:
                 block.hook_attn_in.register_forward_hook(self.control.cov.hook(li))
         if cfg.intervention.instant:  # the zero-training complement, built on the run's initial weights
             w_q0, w_k0 = gpt_weights(GPT(m, corpus.vocab.size, seed=t.seed))
-            self.instant = I.instant_controls(iv.instant, w_q0, w_k0, t.steps, iv.layers, iv.floor, iv.control_seqs)
+            self.instant = K.instant_controls(iv.instant, w_q0, w_k0, t.steps, iv.layers, iv.floor, iv.control_seqs)
         else:
             self.instant = []
         n_probe = C.probe_n_seqs(cfg)
@@ -321,7 +323,7 @@ class _Run:
             self.control_idx = torch.from_numpy(gather(self.train_data, offsets, m.n_ctx)[0]).to(self.device)
         if iv.match_row_std:
             ref_idx = self.control_idx if self.control_idx is not None else self.probe_idx[: I.ROW_STD_SEQS]
-            self.control.row_std_inputs = I.CachedInputs(self.model, ref_idx, self.schedule)
+            self.control.row_std_inputs = K.CachedInputs(self.model, ref_idx, self.schedule)
         self.kept = set(C.kept_steps(t))  # checkpoints kept beside last.pt
         self.tokens_per_step = t.batch_size * m.n_ctx
         self.loss_ceiling = DIVERGED_LOSS_FACTOR * math.log(corpus.vocab.size)
@@ -407,7 +409,7 @@ class _Run:
             self.rd.append_warning({"step": step, "warning": str(w.message)})
         rows += self.control.rows(step)
         if self.control_idx is not None:  # the row std on the control set: the none run's is the arms' target
-            rows += I.control_rows(self.model, self.control_idx, self.w_q, self.w_k)
+            rows += K.control_rows(self.model, self.control_idx, self.w_q, self.w_k)
         if self.instant and step > 0 and step % self.cfg.probe.every == 0:
             rows += self._instant(step, rows)
         self.model.train()
@@ -429,7 +431,7 @@ class _Run:
                 if r["metric"] == metric and r["head"] >= 0 and r["site"] == "none":
                     table[r["layer"], r["head"]] = r["value"]
             current[metric] = table
-        return I.instant_rows(self.model, self.probe_idx, self.instant, step, current, self.control_idx)
+        return K.instant_rows(self.model, self.probe_idx, self.instant, step, current, self.control_idx)
 
     def evaluate(self, step: int) -> None:
         tic = time.perf_counter()
@@ -520,5 +522,10 @@ class _Run:
                 "startup_seconds_last_segment": self.startup_seconds,
                 "segment_seconds": self.segment(),
                 "attention_path": self.attention,
+                # facts known here, written once (the context box and `qkgeom train` read them)
+                "n_parameters": sum(p.numel() for p in self.model.parameters()),
+                "tokens_seen": self.cfg.train.steps * self.tokens_per_step,
+                "vocab_size": self.vocab_size,
+                "unigram_baseline": self.unigram_baseline,
             },
         )
