@@ -398,6 +398,11 @@ class RunDir:
 
     # checkpoints -----------------------------------------------------------------------------
     def save_checkpoint(self, state: dict[str, Any], name: str = LAST_CHECKPOINT) -> Path:
+        if self.checkpoints.is_symlink():  # a run writes only inside its own folder
+            raise CheckpointError(
+                f"{self.checkpoints} is a link to {os.readlink(self.checkpoints)}: a run writes its checkpoints "
+                "inside its own folder; remove the link"
+            )
         buf = io.BytesIO()
         torch.save(state, buf)
         path = self.checkpoints / name

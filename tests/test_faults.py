@@ -623,3 +623,15 @@ def test_full_disk_during_a_study_is_one_line(tmp_path):
     assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0, proc.stderr
     assert "all 2 runs failed" in proc.stderr and "File too large" in proc.stderr
     assert (tmp_path / "runs" / "fd" / "sweep.json").is_file()
+
+
+def test_a_linked_checkpoints_folder_is_not_written_through(tmp_path):
+    """A run folder whose checkpoints/ is a symlink had its checkpoints written wherever the link pointed;
+    now the run stops at its first checkpoint in one line, and the link's target stays empty."""
+    elsewhere, run = tmp_path / "elsewhere", tmp_path / "run"
+    elsewhere.mkdir()
+    run.mkdir()
+    (run / "checkpoints").symlink_to(elsewhere)
+    r = cli(*TRAIN, "--out", str(run))
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "is a link to" in r.stderr, r.stderr
+    assert not list(elsewhere.iterdir())

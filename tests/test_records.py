@@ -157,12 +157,13 @@ def test_a_changed_preregistration_is_refused_unless_registered_as_a_new_version
         assert main(cmd) == 2
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and "sweep.json [analysis]" in err and "changed after its records" in err, err
-    assert main(["amend", str(copy), "--note", "margin 0.2 (test)"]) == 0
+    assert main(["amend", str(copy), "--note", "margin 0.2 (test) | <b>x</b>\n# not a heading"]) == 0
     assert main(["analyze", str(copy)]) == 0
     capsys.readouterr()
     assert main(["verdicts", str(copy.parent)]) == 0
     text = (copy.parent / "VERDICTS.md").read_text()
     assert "- ladder-cpu v1: as first registered" in text and "- ladder-cpu v2 (" in text and "margin 0.2" in text
+    assert "margin 0.2 (test) \\| \\<b\\>x\\</b\\> \\# not a heading" in text  # a note is inert text on one line
     assert main(["amend", str(copy), "--note", "again"]) == 2  # nothing changed since v2
     sweep["analysis"]["margin"] = 0.3  # an unregistered change after the amendment is refused again
     (copy / "sweep.json").write_text(json.dumps(sweep))

@@ -158,6 +158,9 @@ def test_folders_and_inputs_it_refuses(tmp_path):
         qkgeom.Probe(torch.nn.Linear(3, 3), fixed_batch(), out=tmp_path / "a")
     with pytest.raises(ProbeError, match="must be input ids"):
         qkgeom.Probe(gpt2(), fixed_batch().float(), out=tmp_path / "a")
+    with pytest.raises(ProbeError, match=r"logit_max_seqs must be >= 0 \(0 = all\), got -1"):
+        qkgeom.Probe(gpt2(), fixed_batch(), out=tmp_path / "neg", logit_max_seqs=-1)
+    assert not (tmp_path / "neg").exists()  # refused before the folder exists
 
     out = tmp_path / "run"
     first = qkgeom.Probe(gpt2(), fixed_batch(), every=2, out=out)

@@ -51,6 +51,13 @@ def current_claims(d: Path) -> pd.DataFrame:
     return claims
 
 
+def plain(note: str) -> str:
+    """An amendment's note as one line of inert Markdown text: whitespace runs to one space, and the
+    characters that would start markup or HTML (< > | ` * _ [ ] #) escaped."""
+    text = " ".join(note.split())
+    return re.sub(r"([<>|`*_\[\]#\\])", r"\\\1", text)
+
+
 def verdicts_index(root: str | Path) -> str:
     """docs/results/VERDICTS.md: every pre-registered primary row of every committed study under its
     current statistics (current_claims), with its raw p, the exact sign-flip p from its per-seed values
@@ -114,5 +121,5 @@ def verdicts_index(root: str | Path) -> str:
             "",
         ]
         lines += [f"- {study} v{v['version']}{' (' + v['registered'] + ')' if v.get('registered') else ''}: "
-                  f"{v['note']}" for study, v in amended]  # fmt: skip
+                  f"{plain(v['note'])}" for study, v in amended]  # fmt: skip
     return "\n".join(lines) + "\n"

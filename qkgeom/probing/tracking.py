@@ -166,6 +166,8 @@ class Probe:
     ) -> None:
         if every < 1:
             raise ProbeError(f"every must be a positive number of steps, got {every}")
+        if logit_max_seqs < 0:
+            raise ProbeError(f"logit_max_seqs must be >= 0 (0 = all), got {logit_max_seqs}")
         try:
             self.conventions = Conventions(pr_convention, alpha_convention)
         except ConfigError as e:
