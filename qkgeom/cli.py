@@ -289,12 +289,13 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 def cmd_verdicts(args: argparse.Namespace) -> int:
     """`qkgeom verdicts`: DIR/VERDICTS.md from every committed study's primaries."""
-    from qkgeom.analysis.verdict_index import verdicts_index
+    from qkgeom.analysis.verdict_index import terminal_summary, verdicts_index
     from qkgeom.results import atomic_write_bytes
 
     text = verdicts_index(args.dir)
     atomic_write_bytes(Path(args.dir) / "VERDICTS.md", text.encode())
-    print(text)
+    print(terminal_summary(text))
+    print(f"\nall columns, and the registered amendments: {Path(args.dir) / 'VERDICTS.md'}")
     return 0
 
 

@@ -1,6 +1,7 @@
 """analysis: claims on synthetic runs with known answers; loading real run folders, skipping bad ones."""
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -281,3 +282,24 @@ def test_lifecycle_depth_recovers_a_planted_depth_profile():
     assert spectral.lifecycle_depth(g).set_index(["matrix", "quantity", "statistic"]).loc[
         ("W_K", "pr", "mean change"), "mean"
     ] == pytest.approx(19.0)
+
+
+def test_the_terminal_verdict_tables_fit_100_columns():
+    """The verdict table was up to 342 characters wide and `qkgeom verdicts` printed rows of 381: both
+    wrapped into noise at 80-120 columns. Now no line is wider than 100, every judged row is there, and
+    a row with n = 0 says why."""
+    from qkgeom.analysis.study import format_verdict_table, verdicts
+    from qkgeom.analysis.verdict_index import terminal_summary
+
+    root = Path(__file__).resolve().parent.parent / "docs" / "results"
+    claims = pd.read_csv(root / "study-keys-cpu" / "claims.csv")
+    table = verdicts(claims)
+    text = format_verdict_table(table)
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert text.count("\n\n") == len(table) and "[P1] holds: PR_K shrinks" in text
+    empty = table.iloc[:1].assign(n=0, reading="no seed has enough probes in this window")
+    assert "why: no seed has enough probes" in format_verdict_table(empty)
+    index = (root / "VERDICTS.md").read_text()
+    summary = terminal_summary(index)
+    assert max(len(line) for line in summary.splitlines()) <= 100
+    assert summary.count("ladder-cpu L") == 4 and "ladder-cpu L1: holds; 0.121" in summary

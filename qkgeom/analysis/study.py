@@ -184,11 +184,32 @@ def format_verdicts(claims: pd.DataFrame) -> str:
     return format_verdict_table(verdicts(claims))
 
 
-def format_verdict_table(table: pd.DataFrame) -> str:
-    """A verdict table (verdicts, verdicts_ladder) as aligned text, without the reading column."""
-    table = table.drop(columns=["reading"])
-    with pd.option_context("display.width", 250, "display.max_colwidth", 80, "display.max_rows", 500):
-        return "VERDICTS (mde_80: the smallest effect each row could detect)\n" + table.to_string(index=False)
+TERMINAL_WIDTH = 100  # the verdict table as the terminal prints it: no line wider than this
+
+
+def format_verdict_table(table: pd.DataFrame, width: int = TERMINAL_WIDTH) -> str:
+    """A verdict table (verdicts, verdicts_ladder) as text no wider than `width`: per row, the verdict,
+    the primary id and the claim with its group and window (wrapped), then its numbers; a row with
+    n = 0 says why (its reading). The full table is verdicts.csv."""
+    import textwrap
+
+    def txt(v: object) -> str:
+        return "" if v is None or (isinstance(v, float) and np.isnan(v)) else str(v)
+
+    def wrap(text: str, first: str = "") -> list[str]:
+        return textwrap.wrap(text, width, initial_indent=first, subsequent_indent="    ", break_on_hyphens=False)
+
+    out = ["VERDICTS (mde_80: the smallest effect each row could detect; all columns in verdicts.csv)"]
+    for r in ({k: txt(v) for k, v in row.items()} for row in table.to_dict("records")):
+        tag = f"[{r['primary']}] " if r.get("primary") else ""
+        out += ["", *wrap(f"{tag}{r['verdict'] or 'reported'}: {r['claim']} ({r['group']}, {r['window']})")]
+        numbers = [("measured", "measured [95% CI]"), ("predicted", "predicted"), ("n", "n"),
+                   ("agreeing", "seeds agreeing"), ("mde_80", "mde_80"), ("p", "p"),
+                   ("sign-flip p", "p (exact sign-flip)"), ("Holm", "p (Holm, primary)")]  # fmt: skip
+        out += wrap("; ".join(f"{label} {r[col]}" for label, col in numbers if r.get(col)), "    ")
+        if r.get("n") in ("0", "0.0") and r.get("reading"):
+            out += wrap(f"why: {r['reading']}", "    ")
+    return "\n".join(out)
 
 
 def format_claims(claims: pd.DataFrame) -> str:

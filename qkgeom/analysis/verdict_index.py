@@ -58,6 +58,25 @@ def plain(note: str) -> str:
     return re.sub(r"([<>|`*_\[\]#\\])", r"\\\1", text)
 
 
+def terminal_summary(markdown: str, width: int = 100) -> str:
+    """The rows of a verdicts_index table for a terminal, no line wider than `width`: per primary row,
+    study, id, n-aware verdict, measured [95% CI], n and Holm (study), then the claim wrapped."""
+    import textwrap
+
+    out = []
+    for line in markdown.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 15 or cells[0] in ("study", "---"):
+            continue
+        study, cid, claim, group, window, measured, n, verdict, _, _, _, p_holm, survives = cells[:13]
+        head = f"{study} {cid}: {verdict}; {measured}, n {n}; Holm (study) {p_holm or '-'}"
+        head += f" ({'survives' if survives == 'yes' else 'does not survive'})" if survives else ""
+        out += textwrap.wrap(head, width, subsequent_indent="    ", break_on_hyphens=False)
+        out += textwrap.wrap(f"{claim} ({group}, {window})", width, initial_indent="    ",
+                             subsequent_indent="    ", break_on_hyphens=False)  # fmt: skip
+    return "\n".join(out)
+
+
 def verdicts_index(root: str | Path) -> str:
     """docs/results/VERDICTS.md: every pre-registered primary row of every committed study under its
     current statistics (current_claims), with its raw p, the exact sign-flip p from its per-seed values
