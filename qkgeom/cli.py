@@ -294,8 +294,7 @@ def cmd_verdicts(args: argparse.Namespace) -> int:
 
     text = verdicts_index(args.dir)
     atomic_write_bytes(Path(args.dir) / "VERDICTS.md", text.encode())
-    print(terminal_summary(text))
-    print(f"\nall columns, and the registered amendments: {Path(args.dir) / 'VERDICTS.md'}")
+    print(f"{terminal_summary(text)}\n\nall columns, and the registered amendments: {Path(args.dir) / 'VERDICTS.md'}")
     return 0
 
 

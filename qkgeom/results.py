@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.metadata
 import io
 import json
@@ -334,14 +335,33 @@ class RunDir:
     def _parts(folder: Path, suffix: str) -> list[Path]:
         return sorted(folder.glob(f"*{suffix}")) if folder.is_dir() else []
 
-    def append_probe(self, step: int, rows: list[dict[str, Any]], spectra: dict[str, np.ndarray]) -> None:
-        """One probe's rows and spectra, each written atomically as a part named by its step."""
+    def append_probe(self, step: int, rows: list[dict[str, Any]], spectra: dict[str, np.ndarray]) -> list[str]:
+        """One probe's rows and spectra, each written atomically as a part named by its step. Returns the
+        sha256 of the two parts (a checkpoint keeps them: a resume accepts only the parts its run wrote)."""
         buf = io.BytesIO()
         geometry_frame(rows).to_parquet(buf, index=False)
-        atomic_write_bytes(self.geometry_parts / f"{step:08d}.parquet", buf.getvalue())
+        geo = buf.getvalue()
+        atomic_write_bytes(self.geometry_parts / f"{step:08d}.parquet", geo)
         buf = io.BytesIO()
         np.savez(buf, step=np.int64(step), **spectra)
-        atomic_write_bytes(self.spectra_parts / f"{step:08d}.npz", buf.getvalue())
+        spec = buf.getvalue()
+        atomic_write_bytes(self.spectra_parts / f"{step:08d}.npz", spec)
+        return [hashlib.sha256(geo).hexdigest(), hashlib.sha256(spec).hexdigest()]
+
+    def check_parts(self, digests: dict[int, list[str]]) -> None:
+        """Refuse (DamagedRunError) a probe part on disk that is not the one this run wrote at its step
+        (`digests`: step -> [geometry, spectra] sha256, as append_probe returned them)."""
+        for step, want in sorted(digests.items()):
+            for folder, suffix, sha in (
+                (self.geometry_parts, ".parquet", want[0]),
+                (self.spectra_parts, ".npz", want[1]),
+            ):
+                f = folder / f"{step:08d}{suffix}"
+                if f.is_file() and hashlib.sha256(f.read_bytes()).hexdigest() != sha:
+                    raise DamagedRunError(
+                        f"cannot resume {self.path}: {folder.name}/{f.name} is not the part this run wrote at step "
+                        f"{step} (copied from elsewhere or changed); nothing was changed"
+                    )
 
     def drop_probes_after(self, step: int) -> None:
         """Delete the parts of probes after `step` (resume recomputes them)."""

@@ -411,6 +411,8 @@ def killed_at_35(tmp_path_factory) -> Path:
         ("delete geometry.parts/00000010.parquet", "geometry.parts lacks 1 probes at steps [10]"),
         ("delete metrics.jsonl", "metrics.jsonl lacks 30 training steps"),
         ("garble metrics.jsonl", "metrics.jsonl line 11 is garbled"),
+        # issue 54: a part copied in from another run (seed 1's, at the same step) was accepted on resume
+        ("copy geometry.parts/00000020.parquet", "geometry.parts/00000020.parquet is not the part this run wrote"),
     ],
 )
 def test_resume_refuses_missing_records_and_changes_nothing(killed_at_35, tmp_path, damage, says):
@@ -421,6 +423,12 @@ def test_resume_refuses_missing_records_and_changes_nothing(killed_at_35, tmp_pa
     verb, name = damage.split()
     if verb == "delete":
         shutil.rmtree(out / name) if (out / name).is_dir() else (out / name).unlink()
+    elif verb == "copy":
+        other = tmp_path / "other"
+        assert cli(*TRAIN, "--set", "train.seed=1", "--set", "train.steps=20", "--out", str(other)).returncode == 0
+        g = pd.read_parquet(other / "geometry.parquet")  # a finished run keeps its parts consolidated
+        g[g["step"] == 20].to_parquet(out / name, index=False)  # the rows of step 20, from another run
+        assert (out / name).read_bytes() != (killed_at_35 / name).read_bytes()
     else:
         lines = (out / name).read_text().splitlines()
         lines[10] = '{"step": 9, "spl'

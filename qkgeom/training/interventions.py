@@ -55,13 +55,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
+from qkgeom import config as C
 from qkgeom import device as D
 from qkgeom.config import InterventionConfig
+from qkgeom.errors import QKGeomError
 from qkgeom.probing.geometry import interaction_singular_values, participation_ratio, singular_values
+from qkgeom.results import RunDir
 from qkgeom.training.maps import (
     _set_interaction,
     hold_profile,
@@ -85,6 +89,39 @@ CONTROL_ROW_STD_METRIC = "logit_row_std_control"  # control_seqs > 0: the per-he
 # ... for the kinds that act through the data, by kind
 KIND_METRIC = {"shape": "key_participation_ratio", "temperature": "input_logit_scale"}
 FLOOR_METRIC = "key_participation_ratio_floor_raised"
+
+
+class InterventionError(QKGeomError, ValueError):
+    """A control cannot be set up (its baseline run is missing, unfinished or lacks the rows it reads)."""
+
+
+def baseline_spectra(
+    iv: InterventionConfig, rd: RunDir, metric: str | None = None
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """For reference = baseline: (probe steps (n,), per-head metric (L, H, n)) of the finished `none`
+    run named by intervention.baseline (relative to this run's parent folder); the metric is
+    interventions.controlled_metric (weight PR, activation PR_K or logit scale) unless named (the
+    closed loop's logit_row_std)."""
+    if not C.needs_baseline(iv) or (metric is None and iv.kind == "hold"):
+        return None
+    if not iv.baseline:
+        raise InterventionError(
+            "intervention.reference = 'baseline' needs intervention.baseline, the finished none run's folder "
+            "(sweeps set it; or use intervention.reference = 'initial')"
+        )
+    base = RunDir(Path(iv.baseline) if Path(iv.baseline).is_absolute() else rd.path.parent / iv.baseline)
+    if not base.is_done():
+        raise InterventionError(f"baseline run {base.path} is not finished (train the none run first)")
+    g = base.read_geometry()
+    metric = metric or controlled_metric(iv)
+    g = g[(g["metric"] == metric) & (g["head"] >= 0) & (g["site"] == "none")]
+    if g.empty:
+        raise InterventionError(
+            f"baseline run {base.path} has no per-head {metric!r} rows (probed by an older qkgeom?)"
+        )
+    table = g.pivot_table(index=["layer", "head"], columns="step", values="value")  # (L*H, n)
+    n_layers, n_heads = table.index.levshape
+    return table.columns.to_numpy(), table.to_numpy().reshape(n_layers, n_heads, -1)
 
 
 def controlled_metric(cfg: InterventionConfig) -> str:

@@ -105,33 +105,6 @@ def divergence(model: torch.nn.Module) -> str | None:
     return None
 
 
-def baseline_spectra(
-    iv: C.InterventionConfig, rd: RunDir, metric: str | None = None
-) -> tuple[np.ndarray, np.ndarray] | None:
-    """For reference = baseline: (probe steps (n,), per-head metric (L, H, n)) of the finished `none`
-    run named by intervention.baseline (relative to this run's parent folder); the metric is
-    interventions.controlled_metric (weight PR, activation PR_K or logit scale) unless named (the
-    closed loop's logit_row_std)."""
-    if not C.needs_baseline(iv) or (metric is None and iv.kind == "hold"):
-        return None
-    if not iv.baseline:
-        raise TrainingError(
-            "intervention.reference = 'baseline' needs intervention.baseline, the finished none run's folder "
-            "(sweeps set it; or use intervention.reference = 'initial')"
-        )
-    base = RunDir(Path(iv.baseline) if Path(iv.baseline).is_absolute() else rd.path.parent / iv.baseline)
-    if not base.is_done():
-        raise TrainingError(f"baseline run {base.path} is not finished (train the none run first)")
-    g = base.read_geometry()
-    metric = metric or I.controlled_metric(iv)
-    g = g[(g["metric"] == metric) & (g["head"] >= 0) & (g["site"] == "none")]
-    if g.empty:
-        raise TrainingError(f"baseline run {base.path} has no per-head {metric!r} rows (probed by an older qkgeom?)")
-    table = g.pivot_table(index=["layer", "head"], columns="step", values="value")  # (L*H, n)
-    n_layers, n_heads = table.index.levshape
-    return table.columns.to_numpy(), table.to_numpy().reshape(n_layers, n_heads, -1)
-
-
 def _stored_config(rd: RunDir) -> C.RunConfig:
     try:
         return C.from_dict(read_json(rd.config)["config"])
@@ -300,8 +273,8 @@ class _Run:
         self.w_q, self.w_k = gpt_weights(self.model)  # (H, D, E) views: in-place updates keep them valid
         iv = cfg.intervention
         self.control = I.SpectrumControl.create(
-            iv, self.w_q, self.w_k, t.steps, baseline_spectra(iv, rd),
-            baseline_spectra(iv, rd, I.row_std_metric(iv)) if iv.match_row_std else None,
+            iv, self.w_q, self.w_k, t.steps, I.baseline_spectra(iv, rd),
+            I.baseline_spectra(iv, rd, I.row_std_metric(iv)) if iv.match_row_std else None,
         )  # fmt: skip
         if self.control.cov is not None:  # the running input covariance, fed by the training forwards
             for li, block in enumerate(self.model.blocks):
@@ -328,6 +301,7 @@ class _Run:
         self.tokens_per_step = t.batch_size * m.n_ctx
         self.loss_ceiling = DIVERGED_LOSS_FACTOR * math.log(corpus.vocab.size)
         self.start, self.elapsed0 = 0, 0.0
+        self.parts: dict[int, list[str]] = {}  # probe step -> sha256 of its geometry and spectra parts
         # this process's seconds in each kind of work besides the optimiser steps (done.json): where a
         # whole job's time goes beyond its training steps (bench/train_throughput.py reads them)
         self.probe_seconds = self.eval_seconds = self.checkpoint_seconds = 0.0
@@ -348,6 +322,9 @@ class _Run:
         self.start, self.elapsed0 = int(state["step"]), float(state["elapsed"])
         start = self.start
         check_resumable(rd, self.cfg.train, self.schedule, start)
+        self.parts = {int(k): v for k, v in state.get("parts", {}).items() if int(k) <= start}
+        if not (rd.geometry.exists() or rd.spectra.exists()):  # parts as written (a consolidation rewrites them)
+            rd.check_parts(self.parts)
         # only now change the folder: back to one part per probe (a consolidated or old-layout file
         # is split), then drop what the loop will recompute
         if rd.geometry.exists() or rd.spectra.exists():
@@ -414,7 +391,7 @@ class _Run:
             rows += self._instant(step, rows)
         self.model.train()
         rows = [{"step": step, "tokens_seen": step * self.tokens_per_step, **r} for r in rows]
-        self.rd.append_probe(step, rows, spec)  # one part per probe: linear I/O over a run
+        self.parts[step] = self.rd.append_probe(step, rows, spec)  # one part per probe: linear I/O over a run
         if self.tb is not None:
             self.tb.write(step, rows)
         self.probe_seconds += time.perf_counter() - tic
@@ -458,6 +435,7 @@ class _Run:
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),
             "control": self.control.state_dict(),
+            "parts": {str(k): v for k, v in self.parts.items()},  # each probe part's sha256: resume checks them
             "step": step,
             "elapsed": self.clock(),
         }
