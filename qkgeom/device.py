@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import re
 from contextvars import ContextVar
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from qkgeom.errors import QKGeomError
+
+if TYPE_CHECKING:  # torch is imported where it is used: config reads DEVICE_PATTERN without it
+    import numpy as np
+    import torch
 
 _CONVERTING: ContextVar[bool] = ContextVar("qkgeom_host_conversion", default=False)
 DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|mps")
@@ -56,6 +58,8 @@ def host_float(t: torch.Tensor) -> float:
 
 def available() -> list[str]:
     """The devices this machine has: cpu, cuda:0 ... cuda:N-1, mps."""
+    import torch
+
     out = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         out.append("mps")

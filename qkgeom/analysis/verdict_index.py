@@ -91,9 +91,10 @@ def verdicts_index(root: str | Path) -> str:
         spec = study_analysis(d, by_name=True).get("primary", [])
         if not spec:
             continue
+        current = current_claims(d)  # a damaged claims.csv is named first
         check_records(d)  # records judged under another pre-registration, or bent: refused
         amended += [(d.name, v) for v in registered_versions(d)]
-        claims = A.adjust_primary(current_claims(d), spec)
+        claims = A.adjust_primary(current, spec)
         for spec_row in spec:
             rows = claims[claims["primary"] == spec_row["id"]]
             if rows.empty:
