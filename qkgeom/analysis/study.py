@@ -188,9 +188,10 @@ TERMINAL_WIDTH = 100  # the verdict table as the terminal prints it: no line wid
 
 
 def format_verdict_table(table: pd.DataFrame, width: int = TERMINAL_WIDTH) -> str:
-    """A verdict table (verdicts, verdicts_ladder) as text no wider than `width`: per row, the verdict,
-    the primary id and the claim with its group and window (wrapped), then its numbers; a row with
-    n = 0 says why (its reading). The full table is verdicts.csv."""
+    """A verdict table (verdicts, verdicts_ladder) as text no wider than `width`, two lines a row: the
+    verdict with its numbers (measured [95% CI], n, seeds agreeing, mde_80, p; Holm for a primary),
+    then the claim with its group and window (wrapped); a row with n = 0 says why (its reading). Every
+    column is in verdicts.csv."""
     import textwrap
 
     def txt(v: object) -> str:
@@ -199,14 +200,15 @@ def format_verdict_table(table: pd.DataFrame, width: int = TERMINAL_WIDTH) -> st
     def wrap(text: str, first: str = "") -> list[str]:
         return textwrap.wrap(text, width, initial_indent=first, subsequent_indent="    ", break_on_hyphens=False)
 
-    out = ["VERDICTS (mde_80: the smallest effect each row could detect; all columns in verdicts.csv)"]
+    out = ["VERDICTS (mde_80: the smallest effect each row could detect; every column in verdicts.csv)"]
     for r in ({k: txt(v) for k, v in row.items()} for row in table.to_dict("records")):
-        tag = f"[{r['primary']}] " if r.get("primary") else ""
-        out += ["", *wrap(f"{tag}{r['verdict'] or 'reported'}: {r['claim']} ({r['group']}, {r['window']})")]
-        numbers = [("measured", "measured [95% CI]"), ("predicted", "predicted"), ("n", "n"),
-                   ("agreeing", "seeds agreeing"), ("mde_80", "mde_80"), ("p", "p"),
-                   ("sign-flip p", "p (exact sign-flip)"), ("Holm", "p (Holm, primary)")]  # fmt: skip
-        out += wrap("; ".join(f"{label} {r[col]}" for label, col in numbers if r.get(col)), "    ")
+        agree = r.get("seeds agreeing", "")
+        tag = f"[{r['primary']}, Holm {r['p (Holm, primary)']}] " if r.get("primary") else ""
+        numbers = [tag + (r["verdict"] or "reported"), r["measured [95% CI]"], f"n {r['n']}",
+                   f"{agree} agree" if agree and len(agree) <= 7 else "",
+                   f"mde_80 {r['mde_80']}" if r.get("mde_80") else "", f"p {r['p']}" if r.get("p") else ""]  # fmt: skip
+        out += wrap(" | ".join(x for x in numbers if x))
+        out += wrap(f"{r['claim']} ({r['group']}, {r['window']})", "    ")
         if r.get("n") in ("0", "0.0") and r.get("reading"):
             out += wrap(f"why: {r['reading']}", "    ")
     return "\n".join(out)
