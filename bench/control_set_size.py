@@ -19,7 +19,6 @@ its inputs every 10 steps).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import time
 from pathlib import Path
 
@@ -27,7 +26,6 @@ import numpy as np
 import torch
 
 from qkgeom import config as C
-from qkgeom.config import arm_config
 from qkgeom.probing.probe import gpt_weights
 from qkgeom.results import RunDir, kept_checkpoint, read_json
 from qkgeom.training import complement as K
@@ -47,17 +45,14 @@ def layer_row_std(model: GPT, idx: torch.Tensor, layers: tuple[int, ...]) -> np.
     w_q, w_k = gpt_weights(model)
     out = []
     for li in layers:
-        x = xs[li].unsqueeze(0).expand(len(w_q[li]), -1, -1, -1)
-        out.append(float(M.batch_row_std(w_q[li], w_k[li], x).mean()))
+        out.append(float(M.batch_row_std(w_q[li], w_k[li], xs[li]).mean()))
     return np.array(out)
 
 
 def mapped(model: GPT, model0: GPT, label: str, control: torch.Tensor, steps: int) -> GPT:
     """A copy of `model` with arm `label`'s map applied on LAYERS and the closed loop's rescaling fitted
     on `control` (targets: the model's own PR_K and row std on the control set)."""
-    cfg = dataclasses.replace(arm_config(label), layers=LAYERS, floor=1.2, control_seqs=len(control))
     ((_, ctl),) = K.instant_controls((label,), *gpt_weights(model0), steps, LAYERS, 1.2, len(control))
-    assert ctl.cfg == cfg
     current, cov, inputs = K.self_reference(model, control)
     return K.mapped_copy(model, ctl, 0, current, cov, inputs)
 

@@ -281,8 +281,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     n_traj = a.trajectories.groupby(["intervention", "qk_init", "n_layers", "layer"]).ngroups
     print(
         f"\n{a.geometry['run_id'].nunique()} runs, {n_traj} seed-averaged layer trajectories; "
-        f"wrote {a.path / ('interim_checks.csv' if a.blind else 'claims.csv')} and {a.path / 'summary.csv'} "
-        "(and .parquet)"
+        f"wrote {a.claims_path} and {a.path / 'summary.csv'} (and .parquet)"
     )
     return 0
 
@@ -304,13 +303,13 @@ def cmd_amend(args: argparse.Namespace) -> int:
 
     if not Path(args.dir).is_dir():  # never create the folder it names
         raise RecordError(f"{args.dir} is not a folder: nothing to amend")
+    if not args.note.strip():  # every kind of amendment says what and why
+        raise RecordError("qkgeom amend needs a --note saying what changed and why")
     if args.pin:
         write_pin(args.dir)
         print(f"{args.dir}: pinned (pre-registration and claims.csv digests in preregistration_pin.json: {args.note})")
         return 0
     if args.seal:
-        if not args.note.strip():
-            raise RecordError("sealing records needs a note saying why they were unsealed")
         sealed = seal_records(args.dir)
         print(f"{args.dir}: sealed {len(sealed)} record(s) by their data ({args.note.strip()})")
         return 0
@@ -359,7 +358,7 @@ def cmd_study(args: argparse.Namespace) -> int:
     if a.blind:
         print(f"BLIND: {a.blind}")
     print(format_verdicts(a.claims))
-    print(f"\nall claims: {out / 'claims.csv'} (or qkgeom analyze {out})\nreport: {report}")
+    print(f"\nall claims: {a.claims_path} (or qkgeom analyze {out})\nreport: {report}")
     return 1 if res.failed else 0
 
 

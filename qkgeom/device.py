@@ -56,6 +56,13 @@ def host_float(t: torch.Tensor) -> float:
     return float(to_host(t).reshape(()))
 
 
+def as_float(v: float | torch.Tensor) -> float:
+    """A Python float from a number or a one-element tensor on any device (a tensor through the door)."""
+    import torch
+
+    return host_float(v) if isinstance(v, torch.Tensor) else float(v)
+
+
 def available() -> list[str]:
     """The devices this machine has: cpu, cuda:0 ... cuda:N-1, mps."""
     import torch

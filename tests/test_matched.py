@@ -114,8 +114,7 @@ def held_out_row_std(control_seqs: int, wikitext) -> pd.Series:  # noqa: ARG001 
             twin = K.mapped_copy(model, ctl, 0, current, cov, inputs)
             xs, (w_q, w_k) = K.attention_inputs(twin, held), gpt_weights(twin)
             for layer in (0, 1):
-                x = xs[layer].unsqueeze(0).expand(len(w_q[layer]), -1, -1, -1)
-                rows.append((label, seed, layer, float(maps.batch_row_std(w_q[layer], w_k[layer], x).mean())))
+                rows.append((label, seed, layer, float(maps.batch_row_std(w_q[layer], w_k[layer], xs[layer]).mean())))
     df = pd.DataFrame(rows, columns=["intervention", "seed", "layer", "value"])
     return df.set_index(["intervention", "seed", "layer"])["value"]
 

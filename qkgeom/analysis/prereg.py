@@ -53,6 +53,14 @@ def study_file(path: Path) -> Path | None:
     return None
 
 
+def analysis_table(f: Path) -> dict:
+    """The [analysis] table of a TOML file ({} if it has none); RecordError in one line if it is not TOML."""
+    try:
+        return tomllib.loads(read_text(f, RecordError)).get("analysis", {})
+    except tomllib.TOMLDecodeError as e:
+        raise RecordError(f"{f} is not valid TOML: {e}") from None
+
+
 def study_analysis(path: Path, by_name: bool = False) -> dict:
     """The [analysis] table of a study's pre-registration (primary family, margin, records): as its
     sweep manifest recorded it, else from the folder's preregistration.toml (a study run by a script,
@@ -66,7 +74,7 @@ def study_analysis(path: Path, by_name: bool = False) -> dict:
         files.append(study_file(path))
     for f in files:
         if f is not None and f.is_file():
-            return tomllib.loads(read_text(f, RecordError)).get("analysis", {})
+            return analysis_table(f)
     return {}
 
 
@@ -128,10 +136,7 @@ def _edited_study_analysis(path: Path, last: dict[str, str], sweep: str | Path |
     f = Path(sweep) if sweep is not None else study_file(path)
     if f is None or (sweep is None and last.get(f.name) in (None, _sha(f.read_bytes()))):
         return None
-    try:
-        return tomllib.loads(read_text(f, RecordError)).get("analysis", {})
-    except tomllib.TOMLDecodeError as e:
-        raise RecordError(f"{f} is not valid TOML: {e}") from None
+    return analysis_table(f)
 
 
 def record_folders(path: str | Path) -> list[Path]:

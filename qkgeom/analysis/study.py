@@ -47,6 +47,11 @@ class Analysis:
     blind: str = ""  # an incomplete study's outcomes hidden: "k of n seeds recorded; primary outcome hidden"
 
     @property
+    def claims_path(self) -> Path:
+        """The claims table analyze wrote: claims.csv, or interim_checks.csv while the study is blind."""
+        return self.path / f"{INTERIM_CHECKS if self.blind else 'claims'}.csv"
+
+    @property
     def is_intervention(self) -> bool:
         return self.geometry["intervention"].nunique() > 1
 
@@ -187,18 +192,24 @@ def format_verdicts(claims: pd.DataFrame) -> str:
 TERMINAL_WIDTH = 100  # the verdict table as the terminal prints it: no line wider than this
 
 
+def wrap_lines(text: str, width: int = TERMINAL_WIDTH, first: str = "") -> list[str]:
+    """`text` wrapped at `width` for a terminal, continued 4 spaces in, never broken at a hyphen."""
+    import textwrap
+
+    return textwrap.wrap(text, width, initial_indent=first, subsequent_indent="    ", break_on_hyphens=False)
+
+
 def format_verdict_table(table: pd.DataFrame, width: int = TERMINAL_WIDTH) -> str:
     """A verdict table (verdicts, verdicts_ladder) as text no wider than `width`, two lines a row: the
     verdict with its numbers (measured [95% CI], n, seeds agreeing, mde_80, p; Holm for a primary),
     then the claim with its group and window (wrapped); a row with n = 0 says why (its reading). Every
     column is in verdicts.csv."""
-    import textwrap
 
     def txt(v: object) -> str:
         return "" if v is None or (isinstance(v, float) and np.isnan(v)) else str(v)
 
     def wrap(text: str, first: str = "") -> list[str]:
-        return textwrap.wrap(text, width, initial_indent=first, subsequent_indent="    ", break_on_hyphens=False)
+        return wrap_lines(text, width, first)
 
     out = ["VERDICTS (mde_80: the smallest effect each row could detect; every column in verdicts.csv)"]
     for r in ({k: txt(v) for k, v in row.items()} for row in table.to_dict("records")):

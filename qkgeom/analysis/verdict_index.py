@@ -11,7 +11,7 @@ import pandas as pd
 
 from qkgeom.analysis import claims as A
 from qkgeom.analysis.prereg import check_records, registered_versions, study_analysis
-from qkgeom.analysis.study import fmt
+from qkgeom.analysis.study import fmt, wrap_lines
 from qkgeom.results import RECORDS_DIR, DamagedRunError
 
 CLAIMS_NEEDED = ("claim", "group", "window", "value", "ci_low", "ci_high", "n", "verdict", "p_value", "detail")
@@ -61,8 +61,6 @@ def plain(note: str) -> str:
 def terminal_summary(markdown: str, width: int = 100) -> str:
     """The rows of a verdicts_index table for a terminal, no line wider than `width`: per primary row,
     study, id, n-aware verdict, measured [95% CI], n and Holm (study), then the claim wrapped."""
-    import textwrap
-
     out = []
     for line in markdown.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -71,9 +69,7 @@ def terminal_summary(markdown: str, width: int = 100) -> str:
         study, cid, claim, group, window, measured, n, verdict, _, _, _, p_holm, survives = cells[:13]
         head = f"{study} {cid}: {verdict}; {measured}, n {n}; Holm (study) {p_holm or '-'}"
         head += f" ({'survives' if survives == 'yes' else 'does not survive'})" if survives else ""
-        out += textwrap.wrap(head, width, subsequent_indent="    ", break_on_hyphens=False)
-        out += textwrap.wrap(f"{claim} ({group}, {window})", width, initial_indent="    ",
-                             subsequent_indent="    ", break_on_hyphens=False)  # fmt: skip
+        out += wrap_lines(head, width) + wrap_lines(f"{claim} ({group}, {window})", width, "    ")
     return "\n".join(out)
 
 

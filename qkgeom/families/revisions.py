@@ -69,7 +69,8 @@ def analyse_revision(
     rd = RunDir(out / C.safe_name(rev))  # `refs/pr/1` or `../x` stay inside `out` (config.json keeps the name)
     if rd.is_done():
         return rd.path
-    model = load_model(pc.model, revision).to(check_device(pc.device, "pretrained.device"))
+    device = check_device(pc.device, "pretrained.device")  # before a model is loaded
+    model = load_model(pc.model, revision).to(device)
     limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
     seq_len = min(pc.seq_len, limit) if limit else pc.seq_len  # e.g. our exported runs have n_ctx < 256
     path, _ = resolve_revision(pc.model, revision)

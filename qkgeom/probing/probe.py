@@ -188,9 +188,8 @@ class GeometryAccumulator:
         valid = (mask.to(pat.device) & (support >= 2))[:, None, :].expand(B, H, T) & torch.isfinite(hn)
         hv = torch.where(valid, h, 0.0).sum((0, 2)).cpu()
         hnv = torch.where(valid, hn, 0.0).sum((0, 2)).cpu()
-        n = int(
-            D.to_host(valid[:, 0].sum())
-        )  # tokens of head 0 (the per-head sums share it unless rows were non-finite)
+        # tokens of head 0 (the per-head sums share it unless rows were non-finite)
+        n = int(D.to_host(valid[:, 0].sum()))
         bins = (hn.clamp(0, 1) * (ENTROPY_BINS - 1)).round().long()
         # one count over (head, bin) cells: the valid rows of head h land in cells h * bins ...
         cells = (bins + ENTROPY_BINS * torch.arange(H, device=bins.device)[None, :, None])[valid].cpu()
@@ -211,7 +210,7 @@ class GeometryAccumulator:
             note = (
                 G.pr_note("variance" if metric.endswith("bias_corrected") else conv) if G.is_pr_metric(metric) else ""
             )
-            row = {"layer": layer, "head": head, "site": self.site, "metric": metric, "value": _value(value)}
+            row = {"layer": layer, "head": head, "site": self.site, "metric": metric, "value": D.as_float(value)}
             out.append(row | {"note": note} if note else row)
 
         G.solve_together([acc for st in self.layers for acc in (st.q_all, st.k_all)])
@@ -306,11 +305,6 @@ def _logit_sums(q: Tensor, k: Tensor, causal: bool, convention: str) -> dict[str
         "pr": G.participation_ratio_as(sv**2, convention).sum(-2).cpu(),
         "top": sv[..., 0].sum(-2).cpu(),
     }
-
-
-def _value(v: float | Tensor) -> float:
-    """A row's value as a Python float (a tensor's through the host door)."""
-    return D.host_float(v) if isinstance(v, torch.Tensor) else float(v)
 
 
 def _summary(eigs: Tensor, n: int, convention: str = "variance") -> dict[str, Tensor]:

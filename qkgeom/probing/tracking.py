@@ -369,7 +369,7 @@ class Probe:
             self.rd.truncate_metrics(step - 1)
             self._metrics_resumed = True
         row = {"step": step, "tokens_seen": -1 if tokens_seen is None else tokens_seen, "split": split}
-        self.rd.append_metrics({**row, "loss": D.host_float(loss) if isinstance(loss, torch.Tensor) else float(loss)})
+        self.rd.append_metrics({**row, "loss": D.as_float(loss)})
 
     def finish(
         self, steps: int | None = None, tokens_seen: int | None = None, final_valid_loss: float | None = None

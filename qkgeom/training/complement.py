@@ -38,7 +38,7 @@ def control_rows(model: torch.nn.Module, idx: Tensor, w_q: list[Tensor], w_k: li
     xs = attention_inputs(model, idx)
     rows = []
     for li, x in xs.items():
-        std = D.host_list(batch_row_std(w_q[li], w_k[li], x.unsqueeze(0).expand(len(w_q[li]), -1, -1, -1)))
+        std = D.host_list(batch_row_std(w_q[li], w_k[li], x))
         rows += [{"layer": li, "head": h, "site": "none", "metric": CONTROL_ROW_STD_METRIC, "value": v}
                  for h, v in enumerate(std)]  # fmt: skip
         rows.append(
@@ -181,7 +181,7 @@ def self_reference(model: torch.nn.Module, idx: Tensor) -> tuple[dict[str, Tenso
     for li, k in enumerate(w_k):
         cov_k = k.transpose(-1, -2).double() @ covs[li] @ k.double()  # (H, E, E)
         pr.append(participation_ratio(torch.linalg.eigvalsh(cov_k).clamp_min(0)))
-        std.append(batch_row_std(w_q[li], k, inputs[li].unsqueeze(0).expand(len(k), -1, -1, -1)))
+        std.append(batch_row_std(w_q[li], k, inputs[li]))
         scale.append(logit_scale(w_q[li], k, covs[li], means[li]))
     row_std = torch.stack(std)
     current = {

@@ -247,7 +247,7 @@ class _Run:
         t, m = cfg.train, cfg.model
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.device = check_device(t.device, "train.device")  # one line naming what this machine has
+        self.device = t.device  # checked by train() before the folder exists
         try:
             vocab = Vocab.from_json(rd.vocab.read_text()) if resumed else None
         except (OSError, ValueError, KeyError, TypeError) as e:
