@@ -1,4 +1,5 @@
-# Two entry points for a fresh machine: `make study` (the main job) and `make test`.
+# Two entry points for a fresh machine: `make study` (the main job; core install only) and `make test`
+# (installs the dev extra too).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # Real WikiText-2 text used by tests, benchmarks and presets (see ../shared/data/wikitext/README.md).
@@ -6,7 +7,8 @@ export QKGEOM_WIKITEXT_DIR ?= $(abspath ../shared/data/wikitext)
 
 .PHONY: setup test lint study bench
 
-$(VENV)/.installed: pyproject.toml
+# The main job's install: the package and its core dependencies (torch, numpy, pandas, matplotlib, ...).
+$(VENV)/.core: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch's CPU build: from a configured index or local wheel if one has it, else from PyTorch's CPU
@@ -14,6 +16,11 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q 'torch==2.13.0+cpu' 2>/dev/null \
 	  || $(PY) -m pip install -q 'torch==2.13.0+cpu' --index-url https://download.pytorch.org/whl/cpu \
 	  || $(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e .
+	touch $@
+
+# Tests, lint and the integrations they exercise (ray, lightning, mlflow, wandb, ...): the dev extra.
+$(VENV)/.installed: $(VENV)/.core
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $@
 
@@ -26,7 +33,7 @@ lint: setup
 test: lint
 	$(PY) -m pytest -q
 
-study: setup
+study: $(VENV)/.core
 	$(VENV)/bin/qkgeom study smoke
 
 bench: setup

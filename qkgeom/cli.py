@@ -42,6 +42,9 @@ def describe_study(path: Path) -> str:
             parts.append(f"{len(values)} arms ({', '.join(labels)})")
         elif "seed" in key:
             parts.append(f"{len(values)} seeds")
+        elif "," in key:  # keys varied together: one setting per value tuple
+            sets = ", ".join("/".join(map(str, v)) for v in values)
+            parts.append(f"{len(values)} settings of {'/'.join(k.split('.')[-1] for k in key.split(','))} ({sets})")
         else:
             parts.append(f"{key.split('.')[-1]} in {values}")
     n_runs = math.prod(len(v) for v in grid.values())
@@ -124,16 +127,9 @@ def _sweep(args: argparse.Namespace):
         _settle_records(spec, out, records)
         recorded = _recorded(records)
     res = run_sweep(
-        spec,
-        out,
-        workers=args.workers,
-        progress=not args.no_progress,
-        executor=args.executor,
-        address=args.address,
-        gpus_per_run=args.gpus_per_run,
-        skip=recorded,
-        on_done=_record_writer(out, records),
-    )
+        spec, out, workers=args.workers, progress=not args.no_progress, executor=args.executor,
+        address=args.address, gpus_per_run=args.gpus_per_run, skip=recorded, on_done=_record_writer(out, records),
+    )  # fmt: skip
     print(
         f"sweep {spec.name}: {len(res.done)} trained, {len(res.skipped)} already done, "
         f"{len(res.failed)} failed in {res.seconds:.0f} s -> {out}"

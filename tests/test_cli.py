@@ -28,6 +28,9 @@ def test_study_help_agrees_with_every_study_file():
         arms = {arm_label(C.to_dict(r.config)["intervention"]) for r in runs}
         if len(arms) > 1:
             assert f"{len(arms)} arms" in line, line
+    # keys varied together are shown together (was `eval_every in [[1000, 50, 50], ...]`, one of three)
+    ladder = "4 settings of steps/every/eval_every (1000/50/50, 2000/100/100, 4000/200/200, 8000/400/400) x 8 seeds"
+    assert ladder in text
 
 
 def test_version():
