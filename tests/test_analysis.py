@@ -297,10 +297,92 @@ def test_the_terminal_verdict_tables_fit_100_columns():
     text = format_verdict_table(table)
     assert max(len(line) for line in text.splitlines()) <= 100
     assert len(text.splitlines()) <= 1 + 3 * len(table)  # two lines a row, a third where a claim wraps
-    assert "[P1, Holm 0.0119] holds | -0.74 [-1.29, -0.189] | n 16 | 12/16 agree | mde_80 0.775 | p 0.0119" in text
+    assert "[P1, Holm 0.0138] holds | -0.74 [-1.29, -0.189] | n 16 | 12/16 agree | mde_80 0.775 | p 0.0119" in text
     empty = table.iloc[:1].assign(n=0, reading="no seed has enough probes in this window")
     assert "why: no seed has enough probes" in format_verdict_table(empty)
     index = (root / "VERDICTS.md").read_text()
     summary = terminal_summary(index)
     assert max(len(line) for line in summary.splitlines()) <= 100
     assert summary.count("ladder-cpu L") == 4 and "ladder-cpu L1: holds; 0.121" in summary
+
+
+def test_holm_reads_a_p_the_rows_n_can_reach_and_skips_unreadable_rows():
+    """Holm ran on the t-test p: at n = 4 a `holds (parametric only)` row (sign-flip floor 0.125)
+    could `survive` it, and a causal row whose scale check failed entered the family. Now the Holm
+    input is max(p, sign-flip p) and an unreadable row gets no Holm p and does not count in m."""
+    from qkgeom.analysis import primary as P
+
+    rows = pd.DataFrame({
+        "claim": ["A small n", "B scale check failed", "C large n"],
+        "group": "all", "window": "post-transient",
+        "verdict": ["holds (parametric only)", "scale not matched (shape:0.8)", "holds"],
+        "p_value": [1e-4, 1e-6, 0.001],
+        "p_sign_flip": [0.125, 0.0001, 0.0005],
+    })  # fmt: skip
+    spec = [{"id": cid, "claim": c} for cid, c in zip("ABC", ["A small", "B scale", "C large"], strict=True)]
+    out = P.adjust_primary(rows, spec)
+    assert out["primary"].tolist() == ["A", "B", "C"]
+    # m = 2 (B is out): C 2 x 0.001 = 0.002; A max(0.002, 1 x 0.125) = 0.125. On the t p: A 2e-4, C 0.001.
+    np.testing.assert_allclose(out["p_holm"].to_numpy(), [0.125, np.nan, 0.002])
+    assert not P.readable("manipulation failed") and P.readable("fails (parametric only)")
+    assert P.error_control_p(0.01, np.nan) == 0.01  # no per-seed values: the row's own p
+
+
+def test_a_verdict_that_changes_under_a_variant_reads_choice_dependent():
+    """The ladder's L4 failed on the log-step axis and read otherwise on a linear one, and the table
+    did not say so. A variant whose verdict differs from the registered one makes the row
+    `choice-dependent`; `(parametric only)` alone is not a difference; an unknown variant is refused."""
+    from qkgeom.analysis import robustness as R
+    from qkgeom.analysis.runs import AnalysisError
+
+    row = lambda v, verdict, n=8: pd.Series(  # noqa: E731
+        {"value": v, "ci_low": v - 1, "ci_high": v + 1, "n": n, "p_value": 0.01, "verdict": verdict}
+    )
+    registered = {"A": row(-1.9, "fails"), "B": row(0.1, "holds")}
+    table = R.variant_table(registered, [
+        ("axis: linear", {"A": row(10.6, "inconclusive"), "B": row(0.2, "holds")}),
+        ("leave out seed 0", {"A": row(-2.0, "fails", 7), "B": row(0.1, "holds (parametric only)", 4)}),
+    ])  # fmt: skip
+    assert table["same"].tolist() == [False, True, True, True]
+    assert R.reading(table, "A") == "choice-dependent (1 of 2 variants differ)"
+    assert R.reading(table, "B") == "robust (2 variants)" and R.reading(table, "C") == ""
+    with pytest.raises(AnalysisError, match="unknown robustness variant 'axis: cubic'"):
+        R.registered({"robustness": ["axis: cubic"]}, ("axis: linear",))
+
+
+def test_the_ladders_choice_dependent_rows_are_l2_and_l4():
+    """The committed ladder's variants (robustness.csv, re-derived in test_records): L2 loses its
+    verdict without the 2 M budget or on the last quarter, L4 on the linear axis or a later early
+    window; L1 and L3 keep theirs under every variant."""
+    from qkgeom.analysis import robustness as R
+
+    root = Path(__file__).resolve().parent.parent / "docs" / "results"
+    table = pd.read_csv(root / "ladder-cpu" / "robustness.csv")
+    words = {cid: R.reading(table, cid) for cid in ("L1", "L2", "L3", "L4")}
+    assert words == {
+        "L1": "robust (14 variants)", "L2": "choice-dependent (2 of 14 variants differ)",
+        "L3": "robust (10 variants)", "L4": "choice-dependent (2 of 10 variants differ)",
+    }  # fmt: skip
+    assert "| L2 | leave out the 2 M budget | -0.663 [-1.5, 0.174] | 8 |" in (root / "VERDICTS.md").read_text()
+
+
+def test_per_layer_rows_say_when_a_pooled_primary_is_a_net_of_opposite_layers():
+    """P1 pooled keys-cpu's eight layers, four contracting and two expanding, into one `holds`. Each
+    pooled primary now has its per-layer rows with Holm over its layers, and a reading that names
+    the layers on each side. Built case: two layers +1 and -1 in every seed."""
+    from qkgeom.analysis import layers
+
+    seeds = pd.Index(range(6), name="seed")
+    up = pd.Series([1.0, 1.1, 0.9, 1.05, 0.95, 1.0], index=seeds)
+    flat = pd.Series([0.1, -0.3, 0.05, -0.05, 0.2, -0.2], index=seeds)
+    rows = layers.layer_rows("P1", "PR_K shrinks", {"layer 0": up, "layer 1": -up, "layer 2": flat}, sign=-1,
+                             window="post-transient")  # fmt: skip
+    assert rows["verdict"].tolist() == ["fails", "holds", "inconclusive"]
+    # 6 seeds, all one sign: sign-flip p = 2 / 64 for layers 0, 1 (> their t p), Holm over 3 -> 3 x 1/32
+    np.testing.assert_allclose(rows["p_holm_layers"].to_numpy()[:2], [3 / 32, 3 / 32])
+    assert layers.sign_reading(rows, "P1") == "disagree in sign (+ in 0; - in 1)"
+    assert (
+        layers.sign_reading(rows.iloc[[0, 2]], "P1") == "estimates differ in sign (+ in 0; - in 2), no two intervals do"
+    )
+    assert layers.sign_reading(rows.iloc[[0]], "P1") == "agree in sign (1 layers)"
+    assert layers.sign_reading(rows, "T1") == ""

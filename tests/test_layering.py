@@ -34,7 +34,8 @@ ORDER = [
     ["analysis", "analysis.stats", "analysis.prereg"],
     ["analysis.runs"],
     ["analysis.context", "analysis.claims", "analysis.spectral"],
-    ["analysis.records"],
+    ["analysis.records", "analysis.primary", "analysis.robustness"],
+    ["analysis.layers"],
     ["analysis.causal", "analysis.ladder"],
     ["analysis.matched"],
     ["analysis.study"],
@@ -146,7 +147,7 @@ def test_the_report_draws_and_judges_nothing():
 # Modules over the cap when it was set (issue 45), to be split along their seams, each frozen at its size
 # (issue 55: the list named modules, not sizes, and they grew): a listed module may shrink, never grow,
 # and leaves the list once under the cap. training.interventions left it on 2026-12-04 (maps, complement).
-OVER_CAP = {"config": 588, "cli": 630, "training.loop": 509, "analysis.claims": 541, "analysis.causal": 551,
+OVER_CAP = {"config": 588, "cli": 626, "training.loop": 509, "analysis.claims": 514, "analysis.causal": 551,
             "probing.geometry": 613, "probing.probe": 602, "report.plots": 529}  # fmt: skip
 CAP = 500
 

@@ -16,10 +16,13 @@ from tests.conftest import REPO, tiny_config
 RESULTS = REPO / "docs" / "results"
 # committed studies with records: the tables each must re-derive byte-identical, and its primary ids
 REDERIVED = {
-    "ladder-cpu": (("claims.csv", "verdicts.csv", "ladder_key_slopes.csv"), ["L1", "L2", "L3", "L4"]),
-    "study-keys-cpu": (("claims.csv", "verdicts.csv"), ["P1"]),
+    "ladder-cpu": (
+        ("claims.csv", "verdicts.csv", "ladder_key_slopes.csv", "robustness.csv", "per_layer.csv"),
+        ["L1", "L2", "L3", "L4"],
+    ),
+    "study-keys-cpu": (("claims.csv", "verdicts.csv", "per_layer.csv"), ["P1"]),
     "causal-shape-cpu": (("claims.csv", "verdicts.csv"), ["C1"]),
-    "study-trainer-gpt2": (("claims.csv", "verdicts.csv"), ["T1", "T2", "T3", "T4"]),
+    "study-trainer-gpt2": (("claims.csv", "verdicts.csv", "per_layer.csv"), ["T1", "T2", "T3", "T4"]),
 }
 
 
@@ -39,7 +42,7 @@ def test_a_committed_study_reanalyses_byte_identical(study, tmp_path, capsys):
     names, primary = REDERIVED[study]
     copy = tmp_path / study
     shutil.copytree(committed / "runs", copy / "runs")
-    for name in ("sweep.json", "preregistration.toml"):  # where the study's [analysis] lives
+    for name in ("sweep.json", "preregistration.toml", "preregistration_versions.json"):  # [analysis], amendments
         if (committed / name).is_file():
             shutil.copy(committed / name, copy / name)
     assert main(["analyze", str(copy)]) == 0, capsys.readouterr().err
@@ -138,7 +141,7 @@ def _ladder_copy(tmp_path) -> Path:
         pytest.skip("no committed ladder-cpu records")
     copy = tmp_path / "results" / "ladder-cpu"
     shutil.copytree(committed / "runs", copy / "runs")
-    for name in ("sweep.json", "claims.csv"):
+    for name in ("sweep.json", "claims.csv", "preregistration_versions.json"):
         shutil.copy(committed / name, copy / name)
     return copy
 

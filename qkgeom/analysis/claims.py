@@ -28,7 +28,7 @@ CLAIM_COLUMNS = [
     "study", "claim", "predicted", "group", "window", "value", "ci_low", "ci_high", "n", "seeds_agreeing",
     "interval", "p_value", "verdict", "mde_80", "window_start", "detail",
     # what an inconclusive row can say (TOST at a pre-registered margin), the small-n exact test, and
-    # the family-wise adjustment over a study's pre-registered primary rows (analysis.claims.adjust_primary)
+    # the family-wise adjustment over a study's pre-registered primary rows (analysis.primary.adjust_primary)
     "ci90_low", "ci90_high", "margin", "reading", "p_sign_flip", "p_floor", "primary", "p_holm",
 ]  # fmt: skip
 # Unchanged by W_Q -> W_Q M, W_K -> W_K M^{-T}: attention, scores, W_Q W_K^T and losses. PR_Q, PR_K are not.
@@ -328,33 +328,6 @@ def apply_margin(claims: pd.DataFrame, margin: float) -> pd.DataFrame:
 
 def _g(x: float) -> str:
     return f"{x:.3g}"
-
-
-def primary_mask(claims: pd.DataFrame, primary: list[dict]) -> pd.Series:
-    """The rows a pre-registration names primary: each spec {id, claim, group, window} picks the
-    judged row whose claim text starts with `claim` (and whose group / window match, where given)."""
-    hit = pd.Series(False, index=claims.index)
-    for spec in primary:
-        m = claims["claim"].astype(str).str.startswith(spec["claim"]) & (claims["verdict"].astype(str) != "")
-        for key in ("group", "window"):
-            if key in spec:
-                m &= claims[key].astype(str) == spec[key]
-        hit |= m
-    return hit
-
-
-def adjust_primary(claims: pd.DataFrame, primary: list[dict]) -> pd.DataFrame:
-    """Mark a study's pre-registered primary rows (primary_mask; `primary` holds the row's id) and
-    give them Holm-adjusted p over that family (p_holm): the family-wise error of the study's
-    confirmatory claims, whatever their dependence."""
-    out = claims.copy()
-    out["primary"], out["p_holm"] = "", np.nan
-    for spec in primary:
-        out.loc[primary_mask(out, [spec]), "primary"] = spec["id"]
-    rows = out["primary"] != ""
-    if rows.any():
-        out.loc[rows, "p_holm"] = stats.holm(pd.to_numeric(out.loc[rows, "p_value"], errors="coerce").to_numpy())
-    return out
 
 
 def _seed_rows(

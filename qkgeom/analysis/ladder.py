@@ -12,10 +12,12 @@ Statistics (the pre-registration's, in its words):
 - local slopes (the figure): the slope against log2(step) in the windows [s/8, s/4], [s/4, s/2] and
   [s/2, s] of each run, placed at the window's middle token count.
 Across seeds every row goes through claims.seed_row (t-intervals, TOST at the pre-registered margin,
-sign-flip p), and the primary rows L1-L4 through claims.adjust_primary (Holm).
+sign-flip p), and the primary rows L1-L4 through primary.adjust_primary (Holm).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 import numpy as np
 import pandas as pd
@@ -44,17 +46,25 @@ def load_ladder(path) -> tuple[pd.DataFrame, pd.DataFrame]:
     return g, load_metrics(path, BUDGET_KEYS).join(budget, on="run_id")
 
 
-def _slope_log_step(rows: pd.DataFrame) -> float:
+AXES = ("log2 step", "progress")  # the registered axis, and a linear one: the fraction of the run
+
+
+def _slope_log_step(rows: pd.DataFrame, axis: str = "log2 step") -> float:
+    """The OLS slope of `value` against log2(step) (per doubling), or with axis="progress" against
+    step / steps (per whole run: linear, and in the same unit at every budget)."""
     rows = rows[rows["step"] > 0]
-    return stats.slope(np.log2(rows["step"].to_numpy(float)), rows["value"].to_numpy(float))
+    step = rows["step"].to_numpy(float)
+    x = np.log2(step) if axis == "log2 step" else step / rows["steps"].to_numpy(float)
+    return stats.slope(x, rows["value"].to_numpy(float))
 
 
-def last_half_slopes(g: pd.DataFrame) -> pd.DataFrame:
+def last_half_slopes(g: pd.DataFrame, start: float = 0.5, axis: str = "log2 step") -> pd.DataFrame:
     """One row per (run, layer, metric): seed, budget, n_layers, slope per doubling of steps over the
-    run's last half."""
-    last = g[(g["step"] >= g["steps"] / 2) & g["metric"].isin(list(METRICS))]
+    run's last half (or from `start` x steps on; `axis` as in _slope_log_step)."""
+    last = g[(g["step"] >= g["steps"] * start) & g["metric"].isin(list(METRICS))]
     keys = ["run_id", "seed", "budget", "budget_m", "n_layers", "layer", "metric"]
-    return last.groupby(keys).apply(_slope_log_step, include_groups=False).rename("slope").reset_index()
+    slope = last.groupby(keys).apply(lambda r: _slope_log_step(r, axis), include_groups=False)
+    return slope.rename("slope").reset_index()
 
 
 def budget_trends(slopes: pd.DataFrame) -> pd.DataFrame:
@@ -67,14 +77,17 @@ def budget_trends(slopes: pd.DataFrame) -> pd.DataFrame:
     return slopes.groupby(keys).apply(trend, include_groups=False).rename("trend").reset_index()
 
 
-def decay(g: pd.DataFrame, early_max: int = EARLY_MAX_STEP) -> pd.DataFrame:
-    """Per run: early and late slopes of the layer-mean contrast against log2(step), and early - late."""
+def decay(
+    g: pd.DataFrame, early_max: int = EARLY_MAX_STEP, early_min: int = 1, axis: str = "log2 step"
+) -> pd.DataFrame:
+    """Per run: early (steps early_min..early_max) and late (after early_max) slopes of the layer-mean
+    contrast against log2(step) (or `axis`), and early - late."""
     c = g[g["metric"] == "participation_ratio_contrast"]
-    mean = c.groupby(["run_id", "seed", "budget", "budget_m", "step"])["value"].mean().reset_index()
+    mean = c.groupby(["run_id", "seed", "budget", "budget_m", "steps", "step"])["value"].mean().reset_index()
     out = []
     for (rid, seed, budget, budget_m), rows in mean.groupby(["run_id", "seed", "budget", "budget_m"]):
-        early = _slope_log_step(rows[rows["step"] <= early_max])
-        late = _slope_log_step(rows[rows["step"] > early_max])
+        early = _slope_log_step(rows[(rows["step"] >= early_min) & (rows["step"] <= early_max)], axis)
+        late = _slope_log_step(rows[rows["step"] > early_max], axis)
         out.append(dict(run_id=rid, seed=seed, budget=budget, budget_m=budget_m, early=early, late=late))
     df = pd.DataFrame(out)
     if len(df):
@@ -102,9 +115,21 @@ def _rows(v: pd.Series, **kw) -> dict:
     )
 
 
-def claims_ladder(g: pd.DataFrame, metrics: pd.DataFrame, margin: float, planned: int | None = None) -> pd.DataFrame:
-    """The ladder's claims table: primary L1-L4, secondary S1-S3 (the pre-registration's ids)."""
-    slopes, rows = last_half_slopes(g), []
+def claims_ladder(
+    g: pd.DataFrame,
+    metrics: pd.DataFrame,
+    margin: float,
+    planned: int | None = None,
+    *,
+    axis: str = "log2 step",
+    start: float = 0.5,
+    early_min: int = 1,
+    secondary: bool = True,
+) -> pd.DataFrame:
+    """The ladder's claims table: primary L1-L4, secondary S1-S3 (the pre-registration's ids). The
+    keywords are the registered choices (log2-step axis, last half, early window from step 1);
+    robustness_variants varies them (without the secondary rows S1-S3: secondary=False)."""
+    slopes, rows = last_half_slopes(g, start, axis), []
     trends = budget_trends(slopes)
     n_runs, n_layers = g["run_id"].nunique(), int(g["n_layers"].max())
     budgets = sorted(slopes["budget_m"].unique())
@@ -140,7 +165,7 @@ def claims_ladder(g: pd.DataFrame, metrics: pd.DataFrame, margin: float, planned
             margin=margin,
         )
     )
-    d = decay(g)
+    d = decay(g, EARLY_MAX_STEP, early_min, axis)
     if len(d):
         v = d[d["budget_m"] == top].set_index("seed")["decay"]
         rows.append(
@@ -154,7 +179,8 @@ def claims_ladder(g: pd.DataFrame, metrics: pd.DataFrame, margin: float, planned
                 margin=margin,
             )
         )
-    for budget in budgets:  # S1: claim 1 per band and budget
+    budgets_s1 = budgets if secondary else []
+    for budget in budgets_s1:  # S1: claim 1 per band and budget
         at = slopes[slopes["budget_m"] == budget]
         for band, pick in LAYER_BANDS.items():
             sel = at[[pick(layer, n) for layer, n in zip(at["layer"], at["n_layers"], strict=True)]]
@@ -172,7 +198,7 @@ def claims_ladder(g: pd.DataFrame, metrics: pd.DataFrame, margin: float, planned
                             margin=margin,
                         )
                     )
-    for metric in ("query_participation_ratio", "participation_ratio_contrast"):  # S2: no prediction
+    for metric in ("query_participation_ratio", "participation_ratio_contrast") if secondary else ():  # S2
         for layer, t in trends[trends["metric"] == metric].groupby("layer"):
             rows.append(
                 _rows(
@@ -187,6 +213,7 @@ def claims_ladder(g: pd.DataFrame, metrics: pd.DataFrame, margin: float, planned
             )
     valid = metrics[metrics["split"] == "valid"]
     final = valid[valid["step"] == valid["steps"]]
+    final = final if secondary else final.iloc[:0]
     for budget, f in final.groupby("budget"):  # S3: context
         rows.append(
             _rows(
@@ -215,3 +242,59 @@ def local_slope_summary(local: pd.DataFrame) -> pd.DataFrame:
         out.append(dict(layer=layer, budget_m=budget_m, tokens=tokens, mean=stats.finite_mean(v), low=lo, high=hi,
                         n=int(np.isfinite(v).sum())))  # fmt: skip
     return pd.DataFrame(out)
+
+
+PRIMARY_IDS = ("L1", "L2", "L3", "L4")
+ACROSS_BUDGETS = ("L1", "L2")  # the rows a trend over budgets gives: the only ones leaving a budget out moves
+VARIANTS = ("axis: linear", "window: later start", "leave one budget out", "leave one seed out")
+
+
+def primary_rows(claims: pd.DataFrame, ids: tuple[str, ...] = PRIMARY_IDS) -> dict[str, pd.Series]:
+    """The ladder's primary rows by id (its claims carry their ids)."""
+    return {cid: claims[claims["claim"].str.startswith(cid + " ")].iloc[0] for cid in ids}
+
+
+def robustness_variants(
+    g: pd.DataFrame, metrics: pd.DataFrame, margin: float, families: Iterable[str] = VARIANTS
+) -> list[tuple[str, dict[str, pd.Series]]]:
+    """The primary rows re-judged under each variant of the registered `families` (VARIANTS):
+    the axis (linear: the fraction of the run, for log2 step); a later window (the last quarter for the
+    last-half rows, L4's early window from step 256); leave one budget out (L1, L2: the trends over
+    budgets); leave one seed out (all). Returns (variant, {id: row})."""
+    families = set(families)
+    out = []
+
+    def judged(name, ids, rows, ms, **kw):
+        out.append((name, primary_rows(claims_ladder(rows, ms, margin, secondary=False, **kw), ids)))
+
+    if "axis: linear" in families:
+        judged("axis: linear (fraction of the run)", PRIMARY_IDS, g, metrics, axis="progress")
+    if "window: later start" in families:
+        judged(
+            "window: last quarter; L4 early window from step 256", PRIMARY_IDS, g, metrics, start=0.75, early_min=256
+        )
+    if "leave one budget out" in families:
+        for b in sorted(g["budget_m"].unique()):
+            keep = g["budget_m"] != b
+            judged(
+                f"leave out the {b:g} M budget",
+                ACROSS_BUDGETS,
+                g[keep],
+                metrics,
+            )
+    if "leave one seed out" in families:
+        for s in sorted(g["seed"].unique()):
+            judged(f"leave out seed {s}", PRIMARY_IDS, g[g["seed"] != s], metrics)
+    return out
+
+
+def layer_rows_l3(top: pd.DataFrame, margin: float) -> pd.DataFrame:
+    """L3's per-layer rows (analysis.layers): the last-half PR_K slope at the top budget, per layer."""
+    from qkgeom.analysis.layers import layer_rows
+
+    s = last_half_slopes(top)
+    s = s[s["metric"] == "key_participation_ratio"]
+    per_seed = {f"layer {layer}": g.set_index("seed")["slope"] for layer, g in s.groupby("layer")}
+    budget = f"{top['budget_m'].max():g} M"
+    claim = f"PR_K shrinks at {budget} tokens: last-half slope (per doubling)"
+    return layer_rows("L3", claim, per_seed, sign=-1, window=f"last half, {budget}", margin=margin)

@@ -19,8 +19,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis import causal, matched
+from qkgeom.analysis import causal, layers, matched
 from qkgeom.analysis import claims as A
+from qkgeom.analysis import primary as P
 from qkgeom.analysis.prereg import study_analysis
 from qkgeom.results import SWEEP_MANIFEST, read_json, write_table
 
@@ -92,16 +93,19 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
             blind = f"{done} of {planned[0]} seeds recorded; primary outcome hidden"
             claims = matched.blind(claims)
             tables.pop("matched_dose")
-    claims = A.numeric_columns(A.adjust_primary(claims, pre.get("primary", [])))
+    claims = A.numeric_columns(P.adjust_primary(claims, pre.get("primary", [])))
     tables["verdicts"] = verdicts(claims)
     if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
         tables["scale_check"] = claims[claims["claim"].str.contains(" - sham: (?:scale check|delivered dose)")]
     written = {"summary": traj, "claims": claims, **tables}
     if blind:  # no claims.csv or verdicts.csv until the registered n is in: the checks go to their own table
         written = {"summary": traj, INTERIM_CHECKS: claims}
+    per_run = A.per_run_statistics(A.window(base if len(base) else geometry, "post-transient"))
+    by_layer = layers.slope_layer_rows(per_run, pre.get("primary", []), float(pre.get("margin", np.nan)))
+    if len(by_layer) and not blind:  # a pooled slope primary's per-layer rows (analysis.layers)
+        written[layers.TABLE] = by_layer
     for name, df in written.items():
         write_table(path, name, df, parquet=True)
-    per_run = A.per_run_statistics(A.window(base if len(base) else geometry, "post-transient"))
     points = causal.dose_points(geometry) if geometry["intervention"].nunique() > 1 and not blind else None
     fits = causal.dose_response(points) if points is not None else None
     return Analysis(
@@ -257,6 +261,7 @@ def ladder_tables(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.Data
     Returns (claims, verdict table, local-slope summary, facts for the page: runs, planned, seeds,
     budgets, skipped-run warnings)."""
     from qkgeom.analysis import ladder as L
+    from qkgeom.analysis import robustness as R
 
     path = Path(path)
     with warnings.catch_warnings(record=True) as caught:
@@ -266,12 +271,18 @@ def ladder_tables(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.Data
     sweep = path / SWEEP_MANIFEST
     planned = len(read_json(sweep)["runs"]) if sweep.is_file() else None
     claims = L.claims_ladder(g, m, float(pre.get("margin", np.nan)), planned)
-    claims = A.numeric_columns(A.adjust_primary(claims, pre.get("primary", [])))
+    claims = A.numeric_columns(P.adjust_primary(claims, pre.get("primary", [])))
     table = verdicts_ladder(claims)
     write_table(path, "claims", claims)
     write_table(path, "verdicts", table)
     summary = L.local_slope_summary(L.local_slopes(g))
     write_table(path, LADDER_TABLE, summary)
+    families = R.registered(pre, L.VARIANTS)
+    top = g[g["budget_m"] == g["budget_m"].max()]
+    write_table(path, layers.TABLE, L.layer_rows_l3(top, float(pre.get("margin", np.nan))))
+    if families:  # the registered robustness variants of L1-L4 (analysis.robustness)
+        variants = L.robustness_variants(g, m, float(pre.get("margin", np.nan)), families)
+        write_table(path, R.TABLE, R.variant_table(L.primary_rows(claims), variants))
     facts = {
         "runs": g["run_id"].nunique(),
         "planned": planned,

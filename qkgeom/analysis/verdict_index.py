@@ -10,6 +10,9 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import claims as A
+from qkgeom.analysis import layers
+from qkgeom.analysis import primary as P
+from qkgeom.analysis import robustness as R
 from qkgeom.analysis.prereg import check_records, registered_versions, study_analysis
 from qkgeom.analysis.study import fmt, wrap_lines
 from qkgeom.results import RECORDS_DIR, DamagedRunError
@@ -58,17 +61,21 @@ def plain(note: str) -> str:
     return re.sub(r"([<>|`*_\[\]#\\])", r"\\\1", text)
 
 
+SURVIVES = {"yes": "survives", "no": "does not survive", "not tested": "not tested: unreadable"}
+
+
 def terminal_summary(markdown: str, width: int = 100) -> str:
     """The rows of a verdicts_index table for a terminal, no line wider than `width`: per primary row,
     study, id, n-aware verdict, measured [95% CI], n and Holm (study), then the claim wrapped."""
     out = []
     for line in markdown.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) != 15 or cells[0] in ("study", "---"):
+        if len(cells) != 18 or cells[0] in ("study", "---"):
             continue
-        study, cid, claim, group, window, measured, n, verdict, _, _, _, p_holm, survives = cells[:13]
+        study, cid, claim, group, window, measured, n, verdict, _, _, _, _, p_holm, survives = cells[:14]
         head = f"{study} {cid}: {verdict}; {measured}, n {n}; Holm (study) {p_holm or '-'}"
-        head += f" ({'survives' if survives == 'yes' else 'does not survive'})" if survives else ""
+        head += f" ({SURVIVES.get(survives, survives)})" if survives else ""
+        head += "; its layers disagree in sign" if cells[17].startswith("disagree") else ""
         out += wrap_lines(head, width) + wrap_lines(f"{claim} ({group}, {window})", width, "    ")
     return "\n".join(out)
 
@@ -83,6 +90,8 @@ def verdicts_index(root: str | Path) -> str:
     root = Path(root)
     found = []
     amended = []
+    variants: dict[str, pd.DataFrame] = {}  # study -> its robustness.csv (analysis.robustness)
+    by_layer: dict[str, pd.DataFrame] = {}  # study -> its per_layer.csv (analysis.layers)
     for d in sorted(p for p in root.iterdir() if (p / "claims.csv").is_file()):
         spec = study_analysis(d, by_name=True).get("primary", [])
         if not spec:
@@ -90,7 +99,11 @@ def verdicts_index(root: str | Path) -> str:
         current = current_claims(d)  # a damaged claims.csv is named first
         check_records(d)  # records judged under another pre-registration, or bent: refused
         amended += [(d.name, v) for v in registered_versions(d)]
-        claims = A.adjust_primary(current, spec)
+        if (d / f"{R.TABLE}.csv").is_file():
+            variants[d.name] = pd.read_csv(d / f"{R.TABLE}.csv")
+        if (d / f"{layers.TABLE}.csv").is_file():
+            by_layer[d.name] = pd.read_csv(d / f"{layers.TABLE}.csv", keep_default_na=False, na_values=[""])
+        claims = P.adjust_primary(current, spec)
         for spec_row in spec:
             rows = claims[claims["primary"] == spec_row["id"]]
             if rows.empty:
@@ -100,7 +113,18 @@ def verdicts_index(root: str | Path) -> str:
                 )
             for r in rows.itertuples(index=False):
                 found.append((d.name, spec_row["id"], r, (d / RECORDS_DIR).is_dir()))
-    p_all = A.stats.holm(np.array([float(r.p_value) for _, _, r, _ in found]))
+    tested = []  # per row: (sign-flip p, floor, Holm input p or NaN where the row is unreadable)
+    for _, _, r, _ in found:
+        seeds = re.search(r"per-seed (?:[a-z]+ )?\[([^\]]*)\]", str(r.detail))
+        v = np.array([float(x) for x in seeds.group(1).split(",")]) if seeds else np.array([])
+        flip, floor = A.stats.sign_flip_p(v) if len(v) else (np.nan, np.nan)
+        tested.append((flip, floor, P.error_control_p(r.p_value, flip) if P.readable(r.verdict) else np.nan))
+    p_in = np.array([t[2] for t in tested])
+    p_all = A.stats.holm(p_in)
+    p_study = np.full(len(found), np.nan)
+    for study in {s for s, _, _, _ in found}:
+        mine = np.array([s == study for s, _, _, _ in found])
+        p_study[mine] = A.stats.holm(p_in[mine])
     lines = [
         "# Pre-registered primary rows of every committed study",
         "",
@@ -110,26 +134,65 @@ def verdicts_index(root: str | Path) -> str:
         "(t-test over seeds; the causal rows' sign test). p (sign-flip): exact, from the committed per-seed",
         "values; floor: the smallest p n seeds can reach. A verdict whose floor is >= 0.05 (n <= 5) reads",
         "`(parametric only)`: no distribution-free test at that n can reach 0.05, so it rests on normality.",
-        "Holm (study), over the study's primary family, is the error control: a holds/fails verdict whose",
-        "Holm p is >= 0.05 does not survive it. Holm (all studies) is descriptive and moves as studies are",
-        "added. records: whether the row re-derives from committed per-run records (tests/test_records.py).",
+        "Holm input: the larger of p and p (sign-flip), a p that a distribution-free test reaches at the",
+        "row's n, so a `(parametric only)` row cannot survive. Holm (study), over the study's primary",
+        "family, is the error control: a holds/fails verdict whose Holm p is >= 0.05 does not survive it.",
+        "A row whose manipulation or scale check failed is unreadable: it enters no Holm family (`not",
+        "tested`). Holm (all studies) is descriptive and moves as studies are added. records: whether the",
+        "row re-derives from committed per-run records (tests/test_records.py). variants: the registered",
+        "robustness variants (axis, window start, one budget or seed left out; the study's robustness.csv):",
+        "a verdict that changes under any of them reads `choice-dependent`, and its differing variants are",
+        "listed below the table. Blank: the study registers none. layers: for a primary that averages",
+        "layers, whether any two layers' 95% intervals lie on opposite sides of 0 (then the pooled row is",
+        "their net); its per-layer rows, with Holm over the claim's layers, are listed below the table.",
         "",
         "| study | id | claim | group | window | measured [95% CI] | n | verdict | p | p (sign-flip) | floor "
-        "| p (Holm, study) | survives Holm (study) | p (Holm, all studies; descriptive) | records |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| Holm input | p (Holm, study) | survives Holm (study) | p (Holm, all studies; descriptive) | records "
+        "| variants | layers |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for (study, cid, r, recorded), p_a in zip(found, p_all, strict=True):
+    for (study, cid, r, recorded), (flip, floor, p_i), p_s, p_a in zip(found, tested, p_study, p_all, strict=True):
         ci = f" [{fmt(r.ci_low)}, {fmt(r.ci_high)}]" if pd.notna(r.ci_low) else ""
-        seeds = re.search(r"per-seed (?:[a-z]+ )?\[([^\]]*)\]", str(r.detail))
-        v = np.array([float(x) for x in seeds.group(1).split(",")]) if seeds else np.array([])
-        flip, floor = A.stats.sign_flip_p(v) if len(v) else (np.nan, np.nan)
         judged = r.verdict in ("holds", "fails")
-        survives = ("yes" if r.p_holm < 0.05 else "no") if judged else ""
+        survives = ("yes" if p_s < 0.05 else "no") if judged else "" if P.readable(r.verdict) else "not tested"
+        robust = R.reading(variants[study], cid) if study in variants else ""
+        signs = layers.sign_reading(by_layer[study], cid) if study in by_layer else ""
+        verdict = A.n_aware(r.verdict, floor) + (", choice-dependent" if robust.startswith("choice") else "")
         lines.append(
             f"| {study} | {cid} | {r.claim} | {r.group} | {r.window} | {fmt(r.value)}{ci} | {r.n} | "
-            f"{A.n_aware(r.verdict, floor)} | {fmt(r.p_value)} | {fmt(flip)} | {fmt(floor)} | {fmt(r.p_holm)} | "
-            f"{survives} | {fmt(p_a)} | {'yes' if recorded else 'not re-derivable'} |"
+            f"{verdict} | {fmt(r.p_value)} | {fmt(flip)} | {fmt(floor)} | {fmt(p_i)} | "
+            f"{fmt(p_s)} | {survives} | {fmt(p_a)} | {'yes' if recorded else 'not re-derivable'} | {robust} | {signs} |"
         )
+    rows_by_layer = [(study, t) for study, t in sorted(by_layer.items()) if len(t)]
+    if rows_by_layer:
+        lines += [
+            "",
+            "Per-layer rows of the primaries that average layers (the study's per_layer.csv; Holm over the claim's",
+            "layers on the larger of p and the sign-flip p; secondary to the study's family):",
+            "",
+            "| study | id | layer | measured [95% CI] | n | seeds agreeing | verdict | p (Holm, layers) |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {study} | {v.primary} | {v.group.removeprefix('layer ')} | {fmt(v.value)} [{fmt(v.ci_low)}, "
+            f"{fmt(v.ci_high)}] | {v.n} | {v.seeds_agreeing} | {A.n_aware(v.verdict, v.p_floor)} | "
+            f"{fmt(v.p_holm_layers)} |"
+            for study, t in rows_by_layer
+            for v in t.itertuples(index=False)
+        ]
+    differing = [(study, t[~t["same"].astype(str).str.lower().eq("true")]) for study, t in sorted(variants.items())]
+    if any(len(t) for _, t in differing):
+        lines += [
+            "",
+            "Variants under which a primary's verdict differs from its registered one (every variant: the study's",
+            "robustness.csv):",
+            "",
+            "| study | id | variant | measured [95% CI] | n | p | p (sign-flip) | verdict |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        lines += [f"| {study} | {v.primary} | {v.variant} | {fmt(v.value)} [{fmt(v.ci_low)}, {fmt(v.ci_high)}] | "
+                  f"{v.n} | {fmt(v.p_value)} | {fmt(v.p_sign_flip)} | {v.verdict} |"
+                  for study, t in differing for v in t.itertuples(index=False)]  # fmt: skip
     if amended:  # a pre-registration amended after its records: every registered version, oldest first
         lines += [
             "",

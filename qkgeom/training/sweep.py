@@ -9,7 +9,7 @@ A sweep file is TOML with three tables::
     [grid]    "model.n_layers" = [4, 6, 8]; "train.seed,train.data_seed" = [[0, 0], [1, 1]]  (zipped keys)
     [analysis] (optional, a pre-registration's machine-readable part) primary = [{id = "P1", claim = "PR_K
               shrinks", group = "all", window = "post-transient"}, ...]: the primary family, Holm-adjusted
-              together (analysis.claims.adjust_primary); margin = 0.1: the equivalence margin of TOST;
+              together (analysis.primary.adjust_primary); margin = 0.1: the equivalence margin of TOST;
               records = "docs/results/<study>": a study that accumulates across sessions (its committed
               per-run records are skipped, each finished run's record written at once; analysis.records)
 
@@ -64,6 +64,11 @@ class RunSpec:
     config: C.RunConfig
 
 
+# what a study file's [analysis] may hold: its primary family, TOST margin, records folder and the
+# robustness variants its primaries are re-judged under (analysis.robustness)
+ANALYSIS_KEYS = ("primary", "margin", "records", "robustness")
+
+
 def resolve_sweep(path: str | Path) -> Path:
     """A sweep TOML path, or a study preset name (`smoke` -> configs/study-smoke.toml)."""
     p = Path(path)
@@ -88,9 +93,10 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
         raise SweepError(
             f"sweep file {p} needs a [sweep] table and only [sweep], [set], [grid], [analysis] (found {unknown})"
         )
-    bad_analysis = sorted(set(data.get("analysis", {})) - {"primary", "margin", "records"})
+    bad_analysis = sorted(set(data.get("analysis", {})) - set(ANALYSIS_KEYS))
     if bad_analysis:
-        raise SweepError(f"unknown key {bad_analysis[0]!r} in [analysis] of {p} (known: primary, margin, records)")
+        known = ", ".join(ANALYSIS_KEYS)
+        raise SweepError(f"unknown key {bad_analysis[0]!r} in [analysis] of {p} (known: {known})")
     head = data["sweep"]
     if "kind" in head:  # earlier sweep files: the analysis now reads each run's own config instead
         raise SweepError(f"[sweep] kind in {p} is no longer used (analyze reads each run's config); delete the line")
