@@ -45,7 +45,7 @@ ORDER = [
     ["families.revisions"],
     ["families.study"],
     # report: figures and HTML (draw only)
-    ["report", "report.plots"],
+    ["report", "report.plots", "report.layout"],
     ["report.study"],
     ["report.family"],
     # integrations: callbacks over probing.tracking (the core never imports them)

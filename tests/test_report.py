@@ -135,3 +135,42 @@ def test_report_sets_weight_rank_beside_realised_rank_and_the_spectral_lifecycle
     html = (out / "report" / "index.html").read_text()
     assert "energy_ranks" in html and "spectral_lifecycle" in html
     assert (out / "report" / "spectral_lifecycle.png").stat().st_size > 10_000
+
+
+def test_every_report_figure_reads_at_a_glance(study, monkeypatch):
+    """The window-sensitivity figure was 17 stacked panels with x tick labels under the last only, no
+    y-axis label and empty panels, and two figures' titles overlapped their first panel's. Every figure
+    of a study's report and of a single run's report is now checked as drawn (report.layout): no
+    overlapping text boxes, tick labels and a y-axis label on every panel with data, no empty panel.
+    The check itself fails on a figure built with its title over a panel's title."""
+    import matplotlib.pyplot as plt
+
+    from qkgeom.analysis.study import analyze
+    from qkgeom.report import study as RS
+    from qkgeom.report.layout import layout_problems, tidy
+
+    drawn: dict[str, list[str]] = {}
+    real = RS.png_bytes
+
+    def checked(fig):
+        tidy(fig)  # as png_bytes does before drawing (tidy is idempotent)
+        title = fig._suptitle.get_text() if fig._suptitle else fig.axes[0].get_title()
+        drawn[title] = layout_problems(fig)
+        return real(fig)
+
+    monkeypatch.setattr(RS, "png_bytes", checked)
+    path, _ = study
+    RS.figures(analyze(path))
+    one_run = next(p for p in sorted(path.iterdir()) if (p / "done.json").is_file())
+    RS.write_report(analyze(one_run))
+    assert len(drawn) >= 10, sorted(drawn)
+    assert {t: p for t, p in drawn.items() if p} == {}
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [0, 1])
+    ax.set_ylabel("y")
+    ax.set_title("a panel title")
+    fig.suptitle("the figure title", y=0.91)  # no layout engine: drawn over the panel's title
+    assert "figure title overlaps axes 0 ('a panel title') 'a panel title'" in layout_problems(fig)
+    ax.set_xticks([])
+    assert "axes 0 ('a panel title'): no x tick labels" in layout_problems(fig)
+    plt.close(fig)

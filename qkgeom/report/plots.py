@@ -5,6 +5,8 @@ x axes are optimiser steps on a symlog scale, since the early regime matters.
 
 from __future__ import annotations
 
+import textwrap
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -19,9 +21,14 @@ from qkgeom.probing.archs import one_site  # noqa: E402
 COLORS = {"query": "tab:blue", "key": "tab:orange"}
 
 
+def _subplots(*args, **kw):
+    """plt.subplots under constrained layout: titles and colorbars never overlap a panel."""
+    return plt.subplots(*args, layout="constrained", **kw)
+
+
 def _grid(df: pd.DataFrame, size: float = 3.2):
     depths, inits = sorted(df["n_layers"].unique()), sorted(df["qk_init"].unique())
-    fig, axes = plt.subplots(
+    fig, axes = _subplots(
         len(depths), len(inits), figsize=(size * len(inits), 0.8 * size * len(depths)), squeeze=False, sharex=True
     )
     return fig, axes, depths, inits
@@ -54,13 +61,12 @@ def pr_trajectories(df: pd.DataFrame, post_transient: bool = False) -> Figure:
                 ax.set_xscale("symlog", linthresh=1)
             ax.set_title(f"depth {d}, {init}", fontsize=9)
             if j == 0:
-                ax.set_ylabel("participation ratio (layer mean)")
+                ax.set_ylabel("PR (layer mean)")
             if i == len(depths) - 1:
                 ax.set_xlabel("step")
     axes[0, 0].legend(fontsize=8)
     window = "after each run's transient" if post_transient else "over training"
     fig.suptitle(f"PR_Q and PR_K {window} (band: min-max over seeds)")
-    fig.tight_layout()
     return fig
 
 
@@ -101,21 +107,20 @@ def entropy_vs_prk(df: pd.DataFrame) -> Figure:
         .pivot_table(index=["run_id", "qk_init", "layer", "step"], columns="metric", values="value")
         .reset_index()
     )
-    fig, ax = plt.subplots(figsize=(6, 4.5))
+    fig, ax = _subplots(figsize=(6, 4.5))
     for init, g in rows.groupby("qk_init"):
         ax.scatter(g["key_participation_ratio"], g["attention_entropy"], s=6, alpha=0.5, label=init)
     ax.set_xlabel("PR_K (layer)")
     ax.set_ylabel("attention entropy (nats, layer mean)")
     ax.legend(title="qk_init", fontsize=8)
     ax.set_title("Attention entropy vs key participation ratio")
-    fig.tight_layout()
     return fig
 
 
 def interaction_spectra(spectra: dict[str, tuple[np.ndarray, np.ndarray]]) -> Figure:
     """Normalised squared singular values of W_Q^h (W_K^h)^T (mean over layers and heads) at each
     probe step. spectra: title -> (steps (P,), singular values (P, L, H, E))."""
-    fig, axes = plt.subplots(1, len(spectra), figsize=(4 * len(spectra), 3.5), squeeze=False)
+    fig, axes = _subplots(1, len(spectra), figsize=(4 * len(spectra), 3.5), squeeze=False)
     for ax, (title, (steps, sv)) in zip(axes[0], spectra.items(), strict=True):
         energy = sv**2 / (sv**2).sum(-1, keepdims=True)
         profile = energy.mean((1, 2))  # (P, E)
@@ -129,7 +134,6 @@ def interaction_spectra(spectra: dict[str, tuple[np.ndarray, np.ndarray]]) -> Fi
         fig.colorbar(sm, ax=ax, label="step")
     axes[0, 0].set_ylabel("normalised sigma^2 of W_Q W_K^T")
     fig.suptitle("Interaction spectrum over training (mean over layers and heads)")
-    fig.tight_layout()
     return fig
 
 
@@ -142,7 +146,7 @@ def _arm_color(arm: str, arms: list[str]) -> str:
 
 def by_condition(df: pd.DataFrame, metric: str, ylabel: str, title: str) -> Figure:
     """Layer-mean `metric` against step per intervention condition, min-max band over seeds."""
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = _subplots(figsize=(7, 4.5))
     rows = df[(df["head"] == -1) & (df["metric"] == metric)]
     arms = sorted(rows["intervention"].unique())
     for arm, g in rows.groupby("intervention"):
@@ -153,7 +157,6 @@ def by_condition(df: pd.DataFrame, metric: str, ylabel: str, title: str) -> Figu
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend(fontsize=7)
-    fig.tight_layout()
     return fig
 
 
@@ -163,7 +166,7 @@ def control_tracking(df: pd.DataFrame) -> Figure:
     panels = [
         m for m in ("key_weight_participation_ratio", "interaction_rank") if (df["metric"] == f"{m}_target").any()
     ]
-    fig, axes = plt.subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4), squeeze=False)
+    fig, axes = _subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4), squeeze=False)
     arms = sorted(df["intervention"].unique())
     for ax, metric in zip(axes[0], panels, strict=False):
         target = df[df["metric"] == f"{metric}_target"]
@@ -180,7 +183,6 @@ def control_tracking(df: pd.DataFrame) -> Figure:
         ax.set_ylabel(f"{metric} (mean over heads and seeds)")
         ax.legend(fontsize=7)
     fig.suptitle("Controlled spectrum: achieved (solid) and target (dashed)")
-    fig.tight_layout()
     return fig
 
 
@@ -188,7 +190,7 @@ def dose_response(points: pd.DataFrame, slopes: pd.DataFrame, summary: dict) -> 
     """Attention entropy against log activation PR_K per arm and seed (post-transient means), one
     line per seed: the causal estimate is the mean of these per-seed slopes (`summary`: its mean and
     95% interval, analysis.causal.dose_summary)."""
-    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    fig, ax = _subplots(figsize=(6.5, 4.5))
     arms = sorted(points["intervention"].unique())
     fits = slopes.set_index("seed")
     for seed, g in points.groupby("seed"):
@@ -214,14 +216,13 @@ def dose_response(points: pd.DataFrame, slopes: pd.DataFrame, summary: dict) -> 
     ax.set_xlabel("log activation PR_K (post-transient mean, layer mean)")
     ax.set_ylabel("attention entropy (nats)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
     return fig
 
 
 def loss_curves(metrics: pd.DataFrame, by: str) -> Figure:
     """Validation loss against step, one line per run, coloured by the column `by` (the training
     loss where no run logged a validation loss, as a qkgeom.Probe loop may not)."""
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = _subplots(figsize=(6, 4))
     split = "valid" if "split" in metrics and (metrics["split"] == "valid").any() else "train"
     val = metrics[metrics["split"] == split] if "split" in metrics else metrics.iloc[:0]
     cmap = plt.cm.tab10
@@ -234,7 +235,6 @@ def loss_curves(metrics: pd.DataFrame, by: str) -> Figure:
     if len(val):
         ax.legend(fontsize=8)
     ax.set_title("Validation loss" if split == "valid" else "Training loss (no validation loss logged)")
-    fig.tight_layout()
     return fig
 
 
@@ -244,7 +244,7 @@ def family_contrast(geometry: pd.DataFrame, revisions: pd.DataFrame) -> Figure:
         (geometry["metric"] == "participation_ratio_contrast") & (geometry["head"] == -1) & (geometry["step"] >= 0)
     ]
     sites = sorted(g["site"].unique())
-    fig, axes = plt.subplots(1, len(sites), figsize=(6 * len(sites), 4), squeeze=False)
+    fig, axes = _subplots(1, len(sites), figsize=(6 * len(sites), 4), squeeze=False)
     flagged = set(revisions.loc[revisions["flag"] != "", "revision"])
     for ax, site in zip(axes[0], sites, strict=True):
         sub = g[g["site"] == site]
@@ -262,15 +262,18 @@ def family_contrast(geometry: pd.DataFrame, revisions: pd.DataFrame) -> Figure:
         ax.set_title(f"site: {site}")
         ax.legend(fontsize=7, ncol=2)
     fig.suptitle("Paired contrast across the checkpoint family")
-    fig.tight_layout()
     return fig
 
 
-def sensitivity(claims: pd.DataFrame, what: str = "Window sensitivity") -> Figure:
-    """Each claim's value with its 95% interval (over seeds) against the window it was judged in."""
+def sensitivity(claims: pd.DataFrame, what: str = "Window sensitivity", cols: int = 3) -> Figure:
+    """Each claim's value with its 95% interval (over seeds) against the window it was judged in, one
+    small panel per claim; claims with no estimate in any window are left out and counted in the title."""
     names = list(dict.fromkeys(claims["claim"]))
-    fig, axes = plt.subplots(len(names), 1, figsize=(7, 1.6 * len(names)), squeeze=False, sharex=True)
-    for ax, name in zip(axes[:, 0], names, strict=True):
+    shown = [n for n in names if np.isfinite(claims.loc[claims["claim"] == n, "value"].astype(float)).any()]
+    cols = max(1, min(cols, len(shown)))
+    rows = max(1, -(-len(shown) // cols))
+    fig, axes = _subplots(rows, cols, figsize=(4.4 * cols, 2.9 * rows), squeeze=False)
+    for ax, name in zip(axes.flat, shown, strict=False):
         c = claims[claims["claim"] == name]
         x = np.arange(len(c))
         v, lo, hi = (c[k].astype(float).to_numpy() for k in ("value", "ci_low", "ci_high"))
@@ -279,10 +282,13 @@ def sensitivity(claims: pd.DataFrame, what: str = "Window sensitivity") -> Figur
         ax.errorbar(x, v, yerr=err, fmt="none", ecolor="0.5", capsize=3)
         ax.scatter(x, v, c=colors, zorder=3)
         ax.axhline(0, color="k", lw=0.6)
-        ax.set_title(name, fontsize=8, loc="left")
-        ax.set_xticks(x, list(c["window"]), fontsize=8)
-    fig.suptitle(f"{what} (green: holds, red: fails, gray: inconclusive)", fontsize=10)
-    fig.tight_layout()
+        ax.set_title(textwrap.fill(name, 52), fontsize=7, loc="left")
+        ax.set_xticks(x, list(c["window"]), fontsize=7, rotation=20, ha="right")
+        ax.set_ylabel("estimate, 95% CI", fontsize=8)
+    for ax in axes.flat[len(shown) :]:
+        fig.delaxes(ax)
+    left_out = f"; {len(names) - len(shown)} claims with no estimate left out" if len(shown) < len(names) else ""
+    fig.suptitle(f"{what} (green: holds, red: fails, gray: inconclusive{left_out})", fontsize=10)
     return fig
 
 
@@ -292,7 +298,7 @@ def model_heads(geometry: pd.DataFrame, revision: str) -> Figure:
     g = geometry[geometry["revision"] == revision]
     site = "post_rotary" if (g["site"] == "post_rotary").any() else "none"
     act = g[g["site"] == site]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = _subplots(1, 3, figsize=(15, 4))
     layer = act[act["head"] == -1].pivot_table(index="layer", columns="metric", values="value")
     for side in ("query", "key"):
         axes[0].plot(layer.index, layer[f"{side}_participation_ratio"], "-o", ms=3, color=COLORS[side],
@@ -315,7 +321,6 @@ def model_heads(geometry: pd.DataFrame, revision: str) -> Figure:
     axes[2].set_xlabel("interaction rank (W_Q W_K^T)")
     axes[2].set_ylabel("normalised attention entropy")
     fig.suptitle(f"{revision}: per layer and per head (site {site})")
-    fig.tight_layout()
     return fig
 
 
@@ -323,7 +328,7 @@ def slope_by_depth(table: pd.DataFrame) -> Figure:
     """Post-transient slopes of PR_Q and PR_K against relative depth, per init and depth: the seed mean
     with the 95% t-interval the analysis wrote (analysis.claims.slope_by_depth)."""
     inits = sorted(table["qk_init"].unique())
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6), sharex=True)
+    fig, axes = _subplots(1, 2, figsize=(10, 3.6), sharex=True)
     for ax, (side, name) in zip(axes, [("query", "PR_Q"), ("key", "PR_K")], strict=True):
         for i, init in enumerate(inits):
             for depth, g in table[(table["qk_init"] == init) & (table["side"] == side)].groupby("n_layers"):
@@ -336,7 +341,6 @@ def slope_by_depth(table: pd.DataFrame) -> Figure:
         ax.set(xlabel="relative depth (0 = first layer, 1 = last)", ylabel=f"{name} slope (PR per run)",
                title=f"Post-transient {name} slope by depth")  # fmt: skip
     axes[1].legend(fontsize=7)
-    fig.tight_layout()
     return fig
 
 
@@ -349,7 +353,7 @@ def layer_trajectories(df: pd.DataFrame) -> Figure:
     layers = sorted(rows["layer"].unique())
     cols = min(4, len(layers))
     nrows = -(-len(layers) // cols)
-    fig, axes = plt.subplots(nrows, cols, figsize=(3.4 * cols, 2.8 * nrows), squeeze=False, sharex=True)
+    fig, axes = _subplots(nrows, cols, figsize=(3.4 * cols, 2.8 * nrows), squeeze=False, sharex=True)
     for ax in axes.flat[len(layers) :]:
         ax.set_visible(False)
     for ax, layer in zip(axes.flat, layers, strict=False):
@@ -366,7 +370,6 @@ def layer_trajectories(df: pd.DataFrame) -> Figure:
     axes.flat[0].set_ylabel("participation ratio")
     axes.flat[0].legend(fontsize=7)
     fig.suptitle("PR_Q and PR_K per layer (grey: post-transient window)", fontsize=10)
-    fig.tight_layout()
     return fig
 
 
@@ -376,7 +379,7 @@ def family_seeds_contrast(fam: pd.DataFrame, early_max_step: int) -> Figure:
     g = fam[(fam["metric"] == "participation_ratio_contrast") & (fam["head"] == -1) & (fam["step"] >= 0)]
     g = g[g["site"] == one_site(g)["site"].iloc[0]]
     panels = [(f"layer {layer}", x) for layer, x in g.groupby("layer")] + [("layer mean", g)]
-    fig, axes = plt.subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), sharey=True, squeeze=False)
+    fig, axes = _subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), sharey=True, squeeze=False)
     for ax, (title, x) in zip(axes[0], panels, strict=True):
         per_seed = x.groupby(["step", "seed"])["value"].mean().unstack("seed")
         ax.plot(per_seed.index, per_seed.to_numpy(), color="0.6", lw=0.8)
@@ -390,7 +393,6 @@ def family_seeds_contrast(fam: pd.DataFrame, early_max_step: int) -> Figure:
     axes[0, 0].set_ylabel("PR_Q - PR_K")
     axes[0, 0].legend(fontsize=7)
     fig.suptitle("Paired contrast over each seed's checkpoint family (gray: seeds)", fontsize=10)
-    fig.tight_layout()
     return fig
 
 
@@ -398,7 +400,7 @@ def heads_link(fam: pd.DataFrame, seeds: pd.DataFrame, statistic: str, per_step:
     """A family study: the across-heads Spearman of interaction rank with attention entropy at each
     revision (per seed, and the analysis' mean with its 95% interval: per_step has step, value,
     ci_low, ci_high, the F5 rows), and the per-head scatter at three revisions."""
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    fig, axes = _subplots(1, 4, figsize=(16, 3.6))
     rho = seeds[(seeds["statistic"] == statistic) & (seeds["step"] > 0)]
     ax = axes[0]
     ax.scatter(rho["step"], rho["rho"], s=8, color="0.6", label="seeds")
@@ -425,7 +427,6 @@ def heads_link(fam: pd.DataFrame, seeds: pd.DataFrame, statistic: str, per_step:
         ax.set_xlabel("interaction rank (head)")
         ax.set_ylabel("attention entropy (nats)")
         ax.set_title(f"step {step}: heads of every seed (colour: layer)", fontsize=9)
-    fig.tight_layout()
     return fig
 
 
@@ -436,7 +437,7 @@ def ladder_slopes(summary: pd.DataFrame, metric: str = "PR_K") -> Figure:
     flips with tokens, the lines continue one another; if it flips with the LR schedule, each budget
     repeats the same shape at its own scale."""
     layers = sorted(summary["layer"].unique())
-    fig, axes = plt.subplots(1, len(layers), figsize=(3.2 * len(layers), 3.0), squeeze=False, sharey=True)
+    fig, axes = _subplots(1, len(layers), figsize=(3.2 * len(layers), 3.0), squeeze=False, sharey=True)
     budgets = sorted(summary["budget_m"].unique())
     cmap = plt.get_cmap("viridis")
     for ax, layer in zip(axes[0], layers, strict=True):
@@ -454,7 +455,6 @@ def ladder_slopes(summary: pd.DataFrame, metric: str = "PR_K") -> Figure:
         axes[0][0].set_ylim(-2 * span, 2 * span)
     axes[0][0].set_ylabel(f"{metric} slope per doubling of steps")
     axes[0][-1].legend(title="budget", fontsize=7, title_fontsize=7)
-    fig.tight_layout()
     return fig
 
 
@@ -464,7 +464,7 @@ def energy_ranks(table: pd.DataFrame, title: str) -> Figure:
     and their ratio weights / data."""
     t = table.sort_values(["layer", "head"]).reset_index(drop=True)
     x = np.arange(len(t))
-    fig, axes = plt.subplots(1, 2, figsize=(12, 3.6))
+    fig, axes = _subplots(1, 2, figsize=(12, 3.6))
     axes[0].plot(x, t["weight_rank90"], "o", ms=4, label="W_Q W_K^T (weights)")
     axes[0].plot(x, t["data_rank90"], "x", ms=5, label="row-centred Q K^T on data")
     axes[0].set_ylabel("components for 90% of the energy")
@@ -477,7 +477,6 @@ def energy_ranks(table: pd.DataFrame, title: str) -> Figure:
         ax.set_xlabel("head (grouped by layer)")
     axes[0].legend(fontsize=8)
     fig.suptitle(title)
-    fig.tight_layout()
     return fig
 
 
@@ -485,7 +484,7 @@ def spectral_lifecycle(life: pd.DataFrame, title: str) -> Figure:
     """alpha (top) and PR (bottom) of each projection's whole matrix per layer over training, one column
     per matrix (analysis.spectral.lifecycle); the heavy-tail reading of the 2026 lifecycle study."""
     mats = [m for m in ("W_Q", "W_K", "W_V", "W_O") if m in set(life["matrix"])]
-    fig, axes = plt.subplots(2, len(mats), figsize=(3.4 * len(mats), 5.6), squeeze=False, sharex=True)
+    fig, axes = _subplots(2, len(mats), figsize=(3.4 * len(mats), 5.6), squeeze=False, sharex=True)
     layers = sorted(life["layer"].unique())
     cmap = plt.get_cmap("viridis", max(2, len(layers)))
     for j, m in enumerate(mats):
@@ -502,7 +501,6 @@ def spectral_lifecycle(life: pd.DataFrame, title: str) -> Figure:
     axes[1, 0].set_ylabel("PR (mean over heads)")
     axes[0, -1].legend(fontsize=7)
     fig.suptitle(title)
-    fig.tight_layout()
     return fig
 
 
@@ -510,7 +508,7 @@ def matched_dose(table: pd.DataFrame) -> Figure:
     """Causal v4 (analysis.matched.dose_table): per controlled layer, each arm's entropy change against
     its delivered dose, both vs the sham, as points with the 95% intervals the analysis wrote."""
     layers = sorted(table["layer"].unique())
-    fig, axes = plt.subplots(1, len(layers), figsize=(4.2 * len(layers), 4), squeeze=False, sharey=True)
+    fig, axes = _subplots(1, len(layers), figsize=(4.2 * len(layers), 4), squeeze=False, sharey=True)
     arms = sorted(table["arm"].unique())
     for ax, layer in zip(axes[0], layers, strict=True):
         for r in table[table["layer"] == layer].itertuples(index=False):
@@ -525,5 +523,4 @@ def matched_dose(table: pd.DataFrame) -> Figure:
     axes[0][0].set_ylabel("attention entropy, arm - sham (nats)")
     axes[0][-1].legend(fontsize=7)
     fig.suptitle("Matched logit scale: entropy against delivered key-spectrum dose", fontsize=10)
-    fig.tight_layout()
     return fig

@@ -21,6 +21,7 @@ from qkgeom.analysis import claims as A
 from qkgeom.analysis.context import context_sentence, study_context
 from qkgeom.analysis.study import CAUSAL_GROUPS, LADDER_TABLE, Analysis, ladder_tables, verdicts
 from qkgeom.report import plots
+from qkgeom.report.layout import tidy
 from qkgeom.results import (
     RECORDS_DIR,
     REPORT_INDEX,
@@ -53,7 +54,8 @@ def verdicts_html(table: pd.DataFrame) -> str:
 
 
 def png_bytes(fig) -> bytes:
-    """A matplotlib figure as PNG bytes (the figure is closed)."""
+    """A matplotlib figure, tidied (report.layout.tidy), as PNG bytes (the figure is closed)."""
+    tidy(fig)
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     plt.close(fig)
