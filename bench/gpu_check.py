@@ -7,7 +7,8 @@
 2. the paper preset at the study's real cadence (bench/cadence.py: unit costs from a short run,
    composed at 20,000 steps with a probe every 500): whole-job tokens/s and probe share;
 3. seconds per probe at the paper preset and at GPT-2-small width (12 layers, d_model 768, 12 heads,
-   context 256), against the time of 10 bare training steps at that width;
+   context 256), against the time of 10 bare training steps at that width, and split by part
+   (bench/probe_split.py: forward, accumulate, logits, solves, weights, fits, write);
 4. the bare training step against nanoGPT's model.py at both shapes, eager and compiled, if --nanogpt
    names a folder holding it (a snapshot of karpathy/nanoGPT; not vendored here), else "not measured".
 
@@ -32,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cadence  # noqa: E402
 from common import require_wikitext  # noqa: E402
 from paper_gpu import measuring_overrides  # noqa: E402
+from probe_split import probe_parts  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
 from qkgeom.probing.probe import probe_gpt  # noqa: E402
@@ -166,6 +168,11 @@ def main() -> None:
         rate = bare_step_rate(cfg, step, 5 if args.quick else 20)
         ten = 10 * cfg.train.batch_size * cfg.model.n_ctx / rate
         rows.append((f"{label}: one probe", f"{probe_s:.3f} s (10 bare steps: {ten:.3f} s; {probe_s / ten:.2f}x)"))
+        model = GPT(cfg.model, 284).to(dev).eval()
+        idx = torch.randint(0, 284, (C.probe_n_seqs(cfg), cfg.model.n_ctx), device=dev)
+        probe_parts(model, idx, cfg.probe.logit_max_seqs, dev)  # warm-up
+        split = probe_parts(model, idx, cfg.probe.logit_max_seqs, dev)
+        rows.append((f"{label}: probe split", ", ".join(f"{k} {v:.3f} s" for k, v in split.items())))
         for compiled in (False, True):
             if args.quick and compiled:
                 continue

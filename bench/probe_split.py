@@ -1,0 +1,162 @@
+"""One probe's time, split by part, at a given width (issue 53: probes were 83% of a GPT-2-small-width
+job on a GPU, about 10 s each).
+
+A probe of our GPT (qkgeom.probing.probe.probe_gpt) is five parts, timed here one by one on the same
+model and batch:
+
+- forward:    the instrumented forward pass that returns q, k and the attention pattern per layer;
+- accumulate: covariances (float64 Gram sums) and attention entropy, per layer;
+- logits:     the logit (Q K^T) spectra of the first `logit_max_seqs` sequences (T x T solves);
+- solves:     the covariance eigen-solves and the rows they give (GeometryAccumulator.rows);
+- weights:    the weight side (singular values of W_Q, W_K, W_V, W_O and W_Q W_K^T per head) ...
+- fits:       ... and its power-law alpha fits (timed apart from the weight spectra);
+- write:      the rows as a parquet table (what a run folder keeps).
+
+    python bench/probe_split.py [--width 768 --layers 12 --heads 12 --ctx 256] [--reps 3]
+                                [--device cpu] [--threads 2]
+
+Defaults are GPT-2-small width with the run's own probe batch (probe.n_seqs = 0: enough sequences for
+10 tokens per dimension, 30 at d_model 768; logit_max_seqs = 4). Prints the median seconds of each
+part over --reps repetitions (after one warm-up), its share, and the whole probe_gpt call timed on
+its own, against the time of one bare training step at the same shape (the issue's target: a probe
+costs at most 10 bare steps on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import statistics
+import time
+
+import torch
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
+    """Seconds of each part of one probe_gpt call on `model` and probe batch `idx` (logit spectra of the
+    first `cap` sequences), in the order probe_gpt runs them (the module docstring names the parts)."""
+    import pandas as pd
+
+    from qkgeom.probing import probe as P
+    from qkgeom.probing.geometry import power_law_alphas
+
+    conv = P.DEFAULT_CONVENTIONS
+    t: dict[str, float] = {}
+
+    def tick(name: str, t0: float) -> float:
+        _sync(device)
+        now = time.perf_counter()
+        t[name] = now - t0
+        return now
+
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        snap = P.gpt_snapshot(model, idx)
+        t0 = tick("forward", t0)
+        acc = P.GeometryAccumulator(logit_max_seqs=cap, conventions=conv)
+        mask = snap.token_mask
+        for i, (q, k, pat) in enumerate(zip(snap.q, snap.k, snap.pattern, strict=True)):
+            B, _, T, _ = q.shape
+            support = torch.cumsum(torch.ones(B, T, dtype=torch.long), 1)
+            acc._update_stats(i, q, k, pat, support, mask)
+        t0 = tick("accumulate", t0)
+        acc._update_logits(list(range(len(snap.q))), snap.q, snap.k, snap.causal, mask, [1.0] * len(snap.q))
+        t0 = tick("logits", t0)
+        rows = acc.rows()
+        acc.spectra()
+        t0 = tick("solves", t0)
+        fitted = []
+        real_fill = P._fill_alphas
+        P._fill_alphas = lambda pending, convention: fitted.append((pending, convention))
+        try:
+            w_v, w_o = P.gpt_value_output(model)
+            w_rows, _ = P.weight_geometry(*P.gpt_weights(model), w_v=w_v, w_o=w_o, conventions=conv)
+        finally:
+            P._fill_alphas = real_fill
+        t0 = tick("weights", t0)
+        for pending, convention in fitted:
+            power_law_alphas([ev for _, ev in pending], convention=convention)
+        t0 = tick("fits", t0)
+        buf = io.BytesIO()
+        pd.DataFrame(rows + w_rows).to_parquet(buf, index=False)
+        tick("write", t0)
+    return t
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--heads", type=int, default=12)
+    ap.add_argument("--ctx", type=int, default=256)
+    ap.add_argument("--batch", type=int, default=32, help="training batch of the bare-step reference")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    from qkgeom import config as C
+    from qkgeom.probing import probe as P
+    from qkgeom.training.model import GPT
+
+    cfg = C.load("paper", [f"model.d_model={args.width}", f"model.n_layers={args.layers}",
+                           f"model.n_heads={args.heads}", f"model.n_ctx={args.ctx}"])  # fmt: skip
+    n_seqs = C.probe_n_seqs(cfg)
+    torch.manual_seed(0)
+    model = GPT(cfg.model, vocab_size=284).to(args.device).eval()
+    idx = torch.randint(0, 284, (n_seqs, args.ctx), device=args.device)
+    conv = P.DEFAULT_CONVENTIONS
+    cap = cfg.probe.logit_max_seqs
+
+    def whole() -> float:
+        _sync(args.device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            P.probe_gpt(model, idx, logit_max_seqs=cap, conventions=conv)
+        _sync(args.device)
+        return time.perf_counter() - t0
+
+    def bare_step() -> float:
+        train_model = GPT(cfg.model, vocab_size=284).to(args.device).train()
+        opt = torch.optim.AdamW(train_model.parameters(), lr=1e-4)
+        x = torch.randint(0, 284, (args.batch, args.ctx), device=args.device)
+        times = []
+        for _ in range(3):
+            _sync(args.device)
+            t0 = time.perf_counter()
+            loss = train_model.loss(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            _sync(args.device)
+            times.append(time.perf_counter() - t0)
+        return statistics.median(times[1:])
+
+    probe_parts(model, idx, cap, args.device)  # warm-up
+    reps = [probe_parts(model, idx, cap, args.device) for _ in range(args.reps)]
+    med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
+    total = sum(med.values())
+    probe = statistics.median(whole() for _ in range(args.reps))
+    step = bare_step()
+    print(
+        f"probe at d_model {args.width}, {args.layers} layers x {args.heads} heads, context {args.ctx}, "
+        f"{n_seqs} probe sequences (logit spectra of {cap}), {args.device}, {torch.get_num_threads()} threads"
+    )
+    print(f"{'part':<12}{'median s':>10}{'share':>8}")
+    for k, v in med.items():
+        print(f"{k:<12}{v:>10.3f}{v / total:>8.1%}")
+    print(f"{'sum':<12}{total:>10.3f}")
+    print(f"probe_gpt, whole: {probe:.3f} s; one bare training step (batch {args.batch}): {step:.3f} s; "
+          f"probe / step = {probe / step:.1f} (target on a GPU: <= 10)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
