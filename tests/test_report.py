@@ -174,3 +174,27 @@ def test_every_report_figure_reads_at_a_glance(study, monkeypatch):
     ax.set_xticks([])
     assert "axes 0 ('a panel title'): no x tick labels" in layout_problems(fig)
     plt.close(fig)
+
+
+def test_a_short_runs_report_falls_back_to_the_whole_run_and_says_why(tmp_path):
+    """`qkgeom report` on the tiny preset's run gave a per-layer table NaN in every slope column: its
+    post-transient window starts at its last probe. The table now covers the whole run, the page says
+    why, and the slopes are those of the whole-run window."""
+    import re
+
+    from qkgeom.analysis import claims as A
+    from qkgeom.analysis.runs import load_runs
+    from qkgeom.cli import main
+    from qkgeom.training.loop import train
+    from tests.conftest import tiny_config
+
+    run = tmp_path / "tiny"
+    train(tiny_config(), run, progress=False)
+    assert main(["report", str(run)]) == 0
+    page = (run / "report" / "index.html").read_text()
+    assert "<h2>Per layer, whole run</h2>" in page
+    assert re.search(r"the post-transient window \(from step 40\) holds 1 probe\(s\), too few for a slope", page)
+    expected = A.per_run_statistics(A.window(A.with_transient(load_runs(run)), "whole"))
+    table = page[page.index("<h2>Per layer") : page.index("</table>", page.index("<h2>Per layer"))]
+    pr_k = [float(x) for x in re.findall(r"<td>([-0-9.e]+)</td>", table)[2::6]]  # column 3 of 6: the PR_K slope
+    assert pr_k == pytest.approx(expected["slope:key_participation_ratio"].to_numpy(), rel=2e-3)  # shown at 3 digits

@@ -352,6 +352,7 @@ def write_report(a: Analysis, sections: list[str] = ()) -> Path:
     return write_page(out, f"qkgeom report: {a.path.name}", parts)
 
 
+MIN_WINDOW_PROBES = 3  # probes a window needs for the single-run table's slopes
 RUN_TABLE = {
     "slope:query_participation_ratio": "PR_Q slope (PR per run)",
     "slope:key_participation_ratio": "PR_K slope (PR per run)",
@@ -366,7 +367,15 @@ def _write_run_report(a: Analysis) -> Path:
     per-layer trajectories instead."""
     out = a.path / "report"
     g = a.geometry
-    per_layer = a.per_run[["layer", *RUN_TABLE]].rename(columns=RUN_TABLE)
+    start = int(g["transient_end"].iloc[0])
+    n_post = g.loc[g["step"] >= start, "step"].nunique()
+    window = f"the post-transient window (from step {start})"
+    per_run = a.per_run
+    if n_post < MIN_WINDOW_PROBES:  # e.g. a short run whose transient ends at its last probe
+        per_run = A.per_run_statistics(A.window(g, "whole"))
+        window = (f"the whole run: the post-transient window (from step {start}) holds {n_post} probe(s), "
+                  f"too few for a slope (at least {MIN_WINDOW_PROBES})")  # fmt: skip
+    per_layer = per_run[["layer", *RUN_TABLE]].rename(columns=RUN_TABLE)
     figs = {
         "layer_trajectories": ("PR_Q and PR_K of every layer against step.", plots.layer_trajectories(g)),
         "loss": ("Validation loss.", plots.loss_curves(a.metrics, "qk_init")),
@@ -385,9 +394,9 @@ def _write_run_report(a: Analysis) -> Path:
     parts = [
         f"<h1>run: {html.escape(a.path.name)}</h1>",
         *context_box(a),
-        f"<p>One run: statistics per layer over the post-transient window (from step {int(g['transient_end'].iloc[0])}"
-        "); claims need several seeds (a study) for intervals and verdicts.</p>",
-        "<h2>Per layer, post-transient</h2>",
+        f"<p>One run: statistics per layer over {html.escape(window)}; claims need several seeds (a study) for "
+        "intervals and verdicts.</p>",
+        f"<h2>Per layer, {'post-transient' if n_post >= MIN_WINDOW_PROBES else 'whole run'}</h2>",
         per_layer.to_html(index=False, float_format=lambda v: f"{v:.3g}"),
     ]
     if len(ranks):
