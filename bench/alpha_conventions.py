@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import weightwatcher as ww
 
-from qkgeom.probing import geometry as G
+from qkgeom.probing import alpha as AL
 
 SHAPES = [(128, 128), (384, 128), (128, 32), (128, 19), (64, 8), (128, 12), (512, 256), (128, 64), (64, 20), (64, 9)]
 
@@ -43,8 +43,8 @@ def main() -> None:
         theirs = ww.WeightWatcher(model=torch.nn.Sequential(*layers)).analyze().sort_values("layer_id")["alpha"]
         for lin, alpha in zip(layers, theirs.to_numpy(), strict=True):
             ev = np.linalg.svd(lin.weight.detach().double().numpy(), compute_uv=False) ** 2
-            worst = max(worst, abs(alpha - G.power_law_alpha(ev)["alpha"]))
-            clauset = G.power_law_alpha(ev, convention="clauset")["alpha"]
+            worst = max(worst, abs(alpha - AL.power_law_alpha(ev)["alpha"]))
+            clauset = AL.power_law_alpha(ev, convention="clauset")["alpha"]
             if np.isfinite(clauset):
                 to_clauset.append(abs(alpha - clauset))
             n += 1

@@ -28,7 +28,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 QK_INITS = ("independent", "orthogonal", "tied", "anti_tied")
 PR_CONVENTIONS = ("variance", "singular")  # = probing.geometry.PR_CONVENTIONS (config may not import it)
-ALPHA_CONVENTIONS = ("weightwatcher", "clauset")  # heavy-tail alpha fits (probing.geometry.power_law_alpha)
+ALPHA_CONVENTIONS = ("weightwatcher", "clauset")  # heavy-tail alpha fits (probing.alpha.power_law_alpha)
 INTERVENTIONS = ("none", "hold", "contract", "expand", "shape", "temperature")
 # kinds whose target is ratio x the same seed's none run (always two-sided; they need its finished probes)
 BASELINE_KINDS = ("shape", "temperature")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from qkgeom.probing import alpha as AL
 from qkgeom.probing import geometry as G
 
 
@@ -250,7 +251,7 @@ def test_power_law_alpha_equals_the_powerlaw_package():
     for t in range(4):
         w = rng.standard_t(3, size=(256, 64)) if t % 2 else rng.normal(size=(200, 80))
         ev = np.linalg.eigvalsh(w.T @ w)
-        ours = G.power_law_alpha(ev, min_tail=2, convention="clauset")
+        ours = AL.power_law_alpha(ev, min_tail=2, convention="clauset")
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             ref = powerlaw.Fit(ev, discrete=False, verbose=False, parameter_ranges={"alpha": [1, None]})
@@ -281,8 +282,8 @@ def test_power_law_alphas_of_many_spectra_equal_each_fit_alone():
             x[n // 2] = np.nan
         spectra.append(x)
     for min_tail, conv in ((2, "clauset"), (10, "clauset"), (10, "weightwatcher")):
-        batched = G.power_law_alphas(spectra, min_tail, conv)
-        alone = [G.power_law_alphas([x], min_tail, conv)[0] for x in spectra]
+        batched = AL.power_law_alphas(spectra, min_tail, conv)
+        alone = [AL.power_law_alphas([x], min_tail, conv)[0] for x in spectra]
         assert sum(np.isfinite(f["alpha"]) for f in batched) > 15  # real fits among them, not only reasons
         for b, a in zip(batched, alone, strict=True):
             assert b["reason"] == a["reason"] and b["n_tail"] == a["n_tail"]
@@ -294,26 +295,26 @@ def test_power_law_alpha_recovers_a_planted_exponent():
     """Pareto samples with density ~ x^-2.5 (alpha 2.5): the MLE's standard error is (alpha - 1) / sqrt(n)."""
     rng = np.random.default_rng(1)
     x = rng.pareto(1.5, 3000) + 1.0  # numpy's pareto(a): density ~ x^-(a + 1)
-    for conv in G.ALPHA_CONVENTIONS:
-        fit = G.power_law_alpha(x, convention=conv)
+    for conv in AL.ALPHA_CONVENTIONS:
+        fit = AL.power_law_alpha(x, convention=conv)
         se = (fit["alpha"] - 1) / np.sqrt(fit["n_tail"])
         assert abs(fit["alpha"] - 2.5) < 3 * se and fit["n_tail"] > 1000 and fit["reason"] == ""
 
 
 def test_power_law_alpha_gives_a_reason_instead_of_a_number():
-    assert G.power_law_alpha(np.array([1.0, np.nan, 2.0]))["reason"] == "non-finite values"
-    assert G.power_law_alpha(np.array([1.0, np.inf]))["reason"] == "non-finite values"
-    assert G.power_law_alpha(np.zeros(16))["reason"] == "all-zero matrix"
+    assert AL.power_law_alpha(np.array([1.0, np.nan, 2.0]))["reason"] == "non-finite values"
+    assert AL.power_law_alpha(np.array([1.0, np.inf]))["reason"] == "non-finite values"
+    assert AL.power_law_alpha(np.zeros(16))["reason"] == "all-zero matrix"
     rank_one = np.linalg.eigvalsh(np.outer(np.arange(1.0, 9), np.arange(1.0, 9)))
-    assert G.power_law_alpha(rank_one)["reason"] == "rank one"
-    few = G.power_law_alpha(np.linspace(1, 2, 8), convention="clauset")
+    assert AL.power_law_alpha(rank_one)["reason"] == "rank one"
+    few = AL.power_law_alpha(np.linspace(1, 2, 8), convention="clauset")
     assert np.isnan(few["alpha"]) and few["reason"].startswith("fewer than 10 eigenvalues")
     # WeightWatcher fits 8 eigenvalues (its small-sample estimator) and skips 7 (its min_evals)
-    assert np.isfinite(G.power_law_alpha(np.linspace(1, 2, 8))["alpha"])
-    seven = G.power_law_alpha(np.linspace(1, 2, 7))
+    assert np.isfinite(AL.power_law_alpha(np.linspace(1, 2, 8))["alpha"])
+    seven = AL.power_law_alpha(np.linspace(1, 2, 7))
     assert np.isnan(seven["alpha"]) and seven["reason"].startswith("fewer than 8 eigenvalues")
     with pytest.raises(ValueError, match="alpha convention 'hill'"):
-        G.power_law_alpha(np.linspace(1, 2, 30), convention="hill")
+        AL.power_law_alpha(np.linspace(1, 2, 30), convention="hill")
 
 
 def test_weightwatcher_alpha_equals_weightwatchers_own_per_layer_alpha():
@@ -369,9 +370,9 @@ def test_weightwatcher_alpha_equals_weightwatchers_own_per_layer_alpha():
         assert ours[key]["note"] == "alpha=weightwatcher"
     for m, ww_alpha in zip(small, theirs[len(mats) :], strict=True):
         ev = torch.linalg.svdvals(m.double()).numpy() ** 2
-        assert G.power_law_alpha(ev)["alpha"] == pytest.approx(ww_alpha, abs=1e-6)
+        assert AL.power_law_alpha(ev)["alpha"] == pytest.approx(ww_alpha, abs=1e-6)
     # and the clauset convention is another number on the same matrices (the two differ in candidates)
-    differ = [abs(G.power_law_alpha(torch.linalg.svdvals(m.double()).numpy() ** 2, convention="clauset")["alpha"] - a)
+    differ = [abs(AL.power_law_alpha(torch.linalg.svdvals(m.double()).numpy() ** 2, convention="clauset")["alpha"] - a)
               for m, a in zip(mats, theirs, strict=False)]  # fmt: skip
     assert max(differ) > 1e-3
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from qkgeom.probing import alpha as AL
 from qkgeom.probing import geometry as G
 from qkgeom.probing import probe as P
 from qkgeom.probing.probe import GeometryAccumulator, QKSnapshot, weight_geometry
@@ -104,7 +105,6 @@ def test_measure_with_plain_pytorch_hooks_on_a_foreign_model():
     # the README's "bring your own activations" example: torch.nn.MultiheadAttention, which qkgeom
     # does not know, read with plain forward hooks; rows must equal an independent computation
     import qkgeom
-    from qkgeom.probing import geometry as G
 
     torch.manual_seed(0)
     D, H, T, B = 16, 2, 10, 3
@@ -192,7 +192,6 @@ def test_alpha_rows_per_head_and_layer_with_reasons_for_bad_heads():
     alpha row's note names its convention."""
     import warnings
 
-    from qkgeom.probing import geometry as G
     from qkgeom.probing.probe import ALPHA_METRICS
 
     g = torch.Generator().manual_seed(0)
@@ -209,11 +208,11 @@ def test_alpha_rows_per_head_and_layer_with_reasons_for_bad_heads():
     r = {(x["head"], x["metric"]): (x["value"], x.get("note", "")) for x in rows if x["metric"].endswith("_alpha")}
     assert {m for _, m in r} == set(ALPHA_METRICS.values())
     for head in range(h):
-        expected = G.power_law_alpha(torch.linalg.svdvals(w_q[head]) ** 2)["alpha"]
+        expected = AL.power_law_alpha(torch.linalg.svdvals(w_q[head]) ** 2)["alpha"]
         assert r[(head, "query_weight_alpha")][0] == pytest.approx(expected, rel=1e-9)
     whole = w_q.permute(1, 0, 2).reshape(d, -1)
     assert r[(-1, "query_weight_alpha")][0] == pytest.approx(
-        G.power_law_alpha(torch.linalg.svdvals(whole) ** 2)["alpha"]
+        AL.power_law_alpha(torch.linalg.svdvals(whole) ** 2)["alpha"]
     )
     ww = "alpha=weightwatcher"
     assert math.isnan(r[(1, "key_weight_alpha")][0]) and r[(1, "key_weight_alpha")][1] == f"{ww}; all-zero matrix"
@@ -280,7 +279,6 @@ def test_pr_convention_on_an_analytic_case_and_recorded_in_every_pr_row():
 
 @pytest.mark.usefixtures("wikitext")
 def test_a_training_run_under_the_singular_convention(tmp_path):
-    from qkgeom.probing import geometry as G
     from qkgeom.training.loop import train
     from tests.conftest import tiny_config
 
@@ -309,7 +307,7 @@ def test_weight_spectra_solved_together_equal_one_svd_per_matrix(monkeypatch):
     for h in range(2):
         assert a[(1, h, "key_weight_participation_ratio")] == pytest.approx(float(pr[h]), rel=1e-10)
     whole = torch.linalg.svdvals(P._whole(w_q[2]).double())
-    expected = G.power_law_alpha(whole**2)["alpha"]
+    expected = AL.power_law_alpha(whole**2)["alpha"]
     assert math.isfinite(expected) and a[(2, -1, "query_weight_alpha")] == pytest.approx(expected, rel=1e-9)
 
 

@@ -18,6 +18,7 @@ import torch
 from qkgeom import device as D
 from qkgeom.config import DEFAULT_CONVENTIONS, Conventions
 from qkgeom.errors import QKGeomError
+from qkgeom.probing import alpha as AL
 from qkgeom.probing import geometry as G
 
 Tensor = torch.Tensor
@@ -351,9 +352,9 @@ def _alpha_rows(
 def _fill_alphas(pending: list[tuple[dict, np.ndarray]], convention: str) -> None:
     """Each row's value the alpha of its spectrum under `convention`; its note names the convention,
     and the fit's reason where alpha is NaN."""
-    fits = G.power_law_alphas([ev for _, ev in pending], convention=convention)
+    fits = AL.power_law_alphas([ev for _, ev in pending], convention=convention)
     for (row, _), fit in zip(pending, fits, strict=True):
-        row["value"], row["note"] = fit["alpha"], G.alpha_note(convention, fit["reason"])
+        row["value"], row["note"] = fit["alpha"], AL.alpha_note(convention, fit["reason"])
 
 
 def weight_geometry(
@@ -423,9 +424,8 @@ def weight_geometry(
                     {"layer": li, "head": -1, "site": site, "metric": metric, "value": D.host_float(pr.mean())} | note
                 )
                 add_alphas(li, name, sv, whole)
-        sq.append(D.to_host(sv_q))
-        sk.append(D.to_host(sv_k))
-        sqk.append(D.to_host(sv_qk))
+        for kept, sv in ((sq, sv_q), (sk, sv_k), (sqk, sv_qk)):
+            kept.append(D.to_host(sv))
     _fill_alphas(alphas, conventions.alpha)
     spectra = {
         "W_Q_singular_values": np.stack(sq),
