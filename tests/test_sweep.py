@@ -58,11 +58,15 @@ def test_unknown_sweep_preset():
 
 
 @pytest.mark.usefixtures("wikitext")
-def test_pool_isolates_failures_skips_finished_and_matches_train(tmp_path):
+def test_pool_isolates_failures_skips_finished_and_matches_train(tmp_path, capsys):
     spec = S.load_sweep(write_sweep(tmp_path, '"train.lr" = [3e-3, 1e6]\n"train.seed" = [0, 1]'))
     out = tmp_path / "runs"
     res = S.run_sweep(spec, out, workers=2, progress=False)
     assert len(res.done) == 2 and len(res.failed) == 2 and not res.skipped
+    # no bar without a terminal: one line per finished run (a log file got nothing for 9 minutes)
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" runs finished")[0] for line in lines] == [f"{spec.name}: {k}/4" for k in (1, 2, 3, 4)]
+    assert sum(" FAILED;" in line for line in lines) == 2 and all(" min so far, " in line for line in lines)
     assert all("diverged" in e for e in res.failed.values())
     manifest = json.loads((out / "sweep.json").read_text())
     assert len(manifest["runs"]) == 4

@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import sys
 import threading
 import time
 import tomllib
@@ -255,16 +256,21 @@ class CostBar:
     comes from measured progress: finished runs count whole, and a background thread reads the last
     step of every running run's metrics.jsonl every few seconds, so the remaining time is estimated
     from the step times actually measured, and a grid of unequal runs (depth 4 to 8) is weighed
-    honestly. ``update(1, run_id)`` marks a run finished."""
+    honestly. ``update(1, run_id)`` marks a run finished. Without a terminal (or with progress off) there
+    is no bar: each finished run prints one line to stderr, with the time left from the same estimate."""
 
     def __init__(self, runs: list[RunSpec], skipped: list[str], name: str, progress: bool, out: Path) -> None:
+        self.lines = not (progress and sys.stderr.isatty())  # a log file gets lines, not carriage returns
+        progress = progress and not self.lines
+        self.name, self.started = name, time.monotonic()
         self.cost = {r.run_id: run_cost(r.config) for r in runs}
         self.steps = {r.run_id: r.config.train.steps for r in runs}
         self.total, self.n_runs, self.out = sum(self.cost.values()), len(runs), Path(out)
         self.finished = set(skipped)
+        self.initial = sum(self.cost[r] for r in skipped)
         self.bar = tqdm(
             total=self.total / 1e6,
-            initial=sum(self.cost[r] for r in skipped) / 1e6,  # excluded from the rate
+            initial=self.initial / 1e6,  # excluded from the rate
             disable=not progress,
             desc=name,
             unit="M tok-layers",
@@ -298,9 +304,17 @@ class CostBar:
         while not self._stop.wait(5.0):
             self.refresh()
 
-    def update(self, _n: int = 1, run_id: str | None = None) -> None:
+    def update(self, _n: int = 1, run_id: str | None = None, failed: bool = False) -> None:
         self.finished.add(run_id)
         self.refresh()
+        if self.lines:
+            done, elapsed = self.bar.n * 1e6, time.monotonic() - self.started
+            left = elapsed * (self.total - done) / (done - self.initial) if done > self.initial else float("nan")
+            eta = f"~{left / 60:.1f} min left" if left == left else "time left unknown"
+            what = f"{run_id}{' FAILED' if failed else ''}; {elapsed / 60:.1f} min so far, {eta}"
+            print(
+                f"{self.name}: {len(self.finished)}/{self.n_runs} runs finished ({what})", file=sys.stderr, flush=True
+            )
 
     def close(self) -> None:
         self._stop.set()
@@ -395,5 +409,5 @@ def execute(
         if on_done is not None and status["status"] == "done":
             on_done(run_id)
         if bar is not None:
-            bar.update(1, run_id)
+            bar.update(1, run_id, failed=status["status"] != "done")
     return statuses
