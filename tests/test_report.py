@@ -112,7 +112,8 @@ def test_report_renders_in_headless_chromium(study):
         assert body.index("\nVerdicts\n") < body.index("\nFigures\n") < body.index("Full claims table")
         # the context box opens the report; a tiny-preset study says it checks the pipeline only
         assert body.index("How far training got.") < body.index("\nVerdicts\n")
-        assert "character-unigram baseline of 3." in body and "This is a pipeline check, not the science." in body
+        assert "nats/token against a unigram baseline of 3." in body  # one unit, as loss.png's axis says
+        assert "This is a pipeline check, not the science." in body
         assert "window_sensitivity" in pngs
     finally:
         driver.quit()
@@ -198,3 +199,25 @@ def test_a_short_runs_report_falls_back_to_the_whole_run_and_says_why(tmp_path):
     table = page[page.index("<h2>Per layer") : page.index("</table>", page.index("<h2>Per layer"))]
     pr_k = [float(x) for x in re.findall(r"<td>([-0-9.e]+)</td>", table)[2::6]]  # column 3 of 6: the PR_K slope
     assert pr_k == pytest.approx(expected["slope:key_participation_ratio"].to_numpy(), rel=2e-3)  # shown at 3 digits
+
+
+def test_the_context_reads_the_facts_a_run_wrote_and_rebuilds_them_the_same(tmp_path):
+    """analysis/context.py rebuilt a GPT on the meta device and reloaded the corpus to learn a run's
+    parameter count and unigram baseline (issue 55). done.json records them when the run finishes;
+    the context reads them, and for a run finished before it did rebuilds the very same numbers."""
+    import json
+
+    from qkgeom.analysis.context import run_context
+    from qkgeom.analysis.runs import load_runs
+    from qkgeom.training.loop import train
+    from tests.conftest import tiny_config
+
+    run = tmp_path / "run"
+    train(tiny_config(train={"steps": 12}), run, progress=False)
+    g = load_runs(run)
+    written = run_context(run, g)
+    done = json.loads((run / "done.json").read_text())
+    assert (written["parameters"], written["unigram_baseline"]) == (done["n_parameters"], done["unigram_baseline"])
+    old = {k: v for k, v in done.items() if k not in ("n_parameters", "tokens_seen", "vocab_size", "unigram_baseline")}
+    (run / "done.json").write_text(json.dumps(old))
+    assert run_context(run, g) == written

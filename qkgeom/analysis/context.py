@@ -45,16 +45,18 @@ def run_context(run: Path, geometry: pd.DataFrame) -> dict:
     cfg = info["config"]
     if info.get("source") == "qkgeom.Probe":  # someone else's training run: what the probe knows
         return external_context(cfg, done, geometry)
-    vocab_json = rd.vocab.read_text()
-    vocab_size = Vocab.from_json(vocab_json).size
-    try:
-        baseline = unigram_baseline(cfg["data"]["source"], cfg["data"]["tokenizer"], vocab_json)
-    except (DataError, OSError):
-        baseline = float("nan")  # the corpus is not on this machine: said as n/a
+    # the facts the trainer wrote into done.json when it knew them; runs finished before it did are rebuilt
+    if "unigram_baseline" in done:
+        baseline = done["unigram_baseline"]
+    else:
+        try:
+            baseline = unigram_baseline(cfg["data"]["source"], cfg["data"]["tokenizer"], rd.vocab.read_text())
+        except (DataError, OSError):
+            baseline = float("nan")  # the corpus is not on this machine: said as n/a
     ent = geometry[(geometry["metric"] == "attention_entropy_normalised") & (geometry["head"] == -1)]
     ent = ent[ent["step"] == ent["step"].max()]["value"].mean()
-    params = n_parameters(cfg["model"], vocab_size)
-    tokens = cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["model"]["n_ctx"]
+    params = done.get("n_parameters") or n_parameters(cfg["model"], Vocab.from_json(rd.vocab.read_text()).size)
+    tokens = done.get("tokens_seen", cfg["train"]["steps"] * cfg["train"]["batch_size"] * cfg["model"]["n_ctx"])
     return {
         "final_valid_loss": done["final_valid_loss"],
         "unigram_baseline": baseline,
@@ -110,8 +112,8 @@ def context_sentence(ctx: pd.DataFrame) -> str:
     else:
         base = "n/a (corpus not found)" if ctx["unigram_baseline"].isna().all() else span("unigram_baseline", ".3f")
         loss = (
-            f"Final validation loss {span('final_valid_loss', '.3f')} nats/char against a character-unigram "
-            f"baseline of {base} nats/char"
+            f"Final validation loss {span('final_valid_loss', '.3f')} nats/token against a unigram baseline of "
+            f"{base} nats/token (a token is one character)"
         )
     return (
         f"{loss}; mean normalised attention entropy at the last probe "
