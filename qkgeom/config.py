@@ -32,9 +32,8 @@ ALPHA_CONVENTIONS = ("weightwatcher", "clauset")  # heavy-tail alpha fits (probi
 INTERVENTIONS = ("none", "hold", "contract", "expand", "shape", "temperature")
 # kinds whose target is ratio x the same seed's none run (always two-sided; they need its finished probes)
 BASELINE_KINDS = ("shape", "temperature")
-CONTROL_TARGETS = ("key", "interaction")
-REFERENCES = ("baseline", "initial")
-CONTROL_MODES = ("one-sided", "two-sided")
+CONTROL_TARGETS, REFERENCES, CONTROL_MODES = ("key", "interaction"), ("baseline", "initial"), ("one-sided", "two-sided")
+EARLY_MAX_STEP = 1000  # claim 4's early window ends here (family-cpu's and ladder-cpu's pre-registrations)
 # keys and values of earlier versions: a one-line error that names the replacement
 REPLACED = {
     "intervention.target_fraction": "intervention.ratio (with intervention.reference = 'initial' for the old "

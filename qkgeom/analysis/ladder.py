@@ -25,13 +25,13 @@ import pandas as pd
 from qkgeom.analysis import stats
 from qkgeom.analysis.claims import LAYER_BANDS, _finish, seed_row
 from qkgeom.analysis.runs import BUDGET_KEYS, load_metrics, load_runs
+from qkgeom.config import EARLY_MAX_STEP
 
 METRICS = {  # metric -> (short name, the paper's predicted sign of its slope)
     "key_participation_ratio": ("PR_K", -1),
     "query_participation_ratio": ("PR_Q", +1),
     "participation_ratio_contrast": ("PR_Q - PR_K", +1),
 }
-EARLY_MAX_STEP = 1000  # claim 4a's early window: the cpu study's whole 2 M-token horizon
 LOCAL_WINDOWS = ((1 / 8, 1 / 4), (1 / 4, 1 / 2), (1 / 2, 1.0))
 
 

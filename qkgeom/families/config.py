@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkgeom.config import ConfigError, Conventions, _build, apply_overrides, resolve_preset
+from qkgeom.config import EARLY_MAX_STEP, ConfigError, Conventions, _build, apply_overrides, resolve_preset
 from qkgeom.device import DEVICE_PATTERN
 from qkgeom.errors import read_text
 
@@ -52,7 +52,7 @@ class PretrainedConfig:
     """Heavy-tail alpha fit: `weightwatcher` (WeightWatcher 0.7.7's) or `clauset` (see probe.alpha_convention)."""
     gram_dtype: str = "float32"
     """Precision of each batch's centered Gram matrix (running state is float64): float32 or float64."""
-    early_max_step: int = 1000
+    early_max_step: int = EARLY_MAX_STEP
     """Last step of the early window of the family trend statistics."""
     device: str = "cpu"
     """Torch device the model runs on (`cpu`, `cuda`, `cuda:N`, `mps`); geometry is the same on each

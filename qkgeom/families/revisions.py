@@ -360,7 +360,7 @@ def within_layer_link(ir: pd.Series, entropy: pd.Series, seed: int = 0) -> tuple
     return float(rho), float(p), len(both)
 
 
-def family_trends(geometry: pd.DataFrame, early_max_step: int = 1000) -> pd.DataFrame:
+def family_trends(geometry: pd.DataFrame, early_max_step: int = C.EARLY_MAX_STEP) -> pd.DataFrame:
     """Spearman and OLS slope of the paired contrast on log(1 + step), early (step <= early_max_step)
     and late, per layer and for the layer mean; plus at each revision the across-heads
     interaction-rank vs entropy correlation, pooled and within layer with its permutation p (claim
@@ -482,7 +482,9 @@ def family_tables(
     geometry, revs = load_family(path)
     if early_max_step is None:
         first = next(d for d in sorted(path.iterdir()) if RunDir(d).is_done() and not d.name.startswith("."))
-        early_max_step = read_json(RunDir(first).config).get("pretrained_config", {}).get("early_max_step", 1000)
+        early_max_step = (
+            read_json(RunDir(first).config).get("pretrained_config", {}).get("early_max_step", C.EARLY_MAX_STEP)
+        )
     trends = family_trends(geometry, early_max_step)
     write_table(path, Path(REVISIONS_CSV).stem, revs)
     write_table(path, Path(TRENDS_CSV).stem, trends)

@@ -37,7 +37,6 @@ from qkgeom.families.revisions import (
 from qkgeom.results import FAMILY_CLAIMS_CSV, FAMILY_SEEDS_CSV, RunDir, read_json, revision_name, write_table
 
 FAMILY_DIR = "family"
-EARLY_MAX_STEP = 1000  # the early window's end (configs/study-family-cpu.toml, pre-registered)
 # the claims of configs/study-family-cpu.toml
 F1 = "F1 early trend of PR_Q - PR_K: " + CONTRAST_TREND
 F2 = "F2 decay: early rho - late rho"
@@ -65,7 +64,7 @@ def is_family_study(path: str | Path) -> bool:
 
 
 def analyse_families(
-    path: str | Path, early_max_step: int = EARLY_MAX_STEP, progress: bool = True, **settings
+    path: str | Path, early_max_step: int = C.EARLY_MAX_STEP, progress: bool = True, **settings
 ) -> dict[str, Path]:
     """Export every run's kept checkpoints and analyse each run as a family; {run_id: analysis folder}.
     settings: further PretrainedConfig fields (n_tokens, seq_len, ...; defaults: configs/pretrained.toml)."""
