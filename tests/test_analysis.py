@@ -326,6 +326,15 @@ def test_holm_reads_a_p_the_rows_n_can_reach_and_skips_unreadable_rows():
     np.testing.assert_allclose(out["p_holm"].to_numpy(), [0.125, np.nan, 0.002])
     assert not P.readable("manipulation failed") and P.readable("fails (parametric only)")
     assert P.error_control_p(0.01, np.nan) == 0.01  # no per-seed values: the row's own p
+    # a spec that picks no judged row (its claim reworded) or several is refused, not skipped in silence
+    from qkgeom.analysis.runs import AnalysisError
+
+    reworded = rows.assign(claim=rows["claim"].str.replace("C large n", "C, a large n"))
+    with pytest.raises(AnalysisError, match=r"primary C \('C large'\) picks 0 judged rows"):
+        P.adjust_primary(reworded, spec)
+    with pytest.raises(AnalysisError, match=r"primary AB \(''\) picks 3 judged rows"):
+        P.adjust_primary(rows, [{"id": "AB", "claim": ""}])
+    assert P.adjust_primary(reworded, spec, strict=False)["primary"].tolist() == ["A", "B", ""]  # a blind study
 
 
 def test_a_verdict_that_changes_under_a_variant_reads_choice_dependent():

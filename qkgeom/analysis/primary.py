@@ -8,6 +8,7 @@ import pandas as pd
 
 from qkgeom.analysis import stats
 from qkgeom.analysis.claims import PARAMETRIC_ONLY
+from qkgeom.analysis.runs import AnalysisError
 
 
 def primary_mask(claims: pd.DataFrame, primary: list[dict]) -> pd.Series:
@@ -41,15 +42,23 @@ def error_control_p(p_value: object, p_sign_flip: object) -> float:
     return float(np.fmax(p, flip))
 
 
-def adjust_primary(claims: pd.DataFrame, primary: list[dict]) -> pd.DataFrame:
+def adjust_primary(claims: pd.DataFrame, primary: list[dict], strict: bool = True) -> pd.DataFrame:
     """Mark a study's pre-registered primary rows (primary_mask; `primary` holds the row's id) and
     give the readable ones Holm-adjusted p over that family (p_holm, from error_control_p): the
     family-wise error of the study's confirmatory claims, whatever their dependence. An unreadable
-    primary row (readable) keeps its id and gets no p_holm."""
+    primary row (readable) keeps its id and gets no p_holm. strict: a spec that picks no judged row, or
+    more than one, is an error (a reworded claim would otherwise leave its family in silence); off only
+    for a blind study, whose primary rows are hidden until its registered n is in."""
     out = claims.copy()
     out["primary"], out["p_holm"] = "", np.nan
     for spec in primary:
-        out.loc[primary_mask(out, [spec]), "primary"] = spec["id"]
+        hit = primary_mask(out, [spec])
+        if strict and hit.sum() != 1:
+            raise AnalysisError(
+                f"pre-registered primary {spec['id']} ({spec['claim']!r}) picks {int(hit.sum())} judged rows of the "
+                "claims table, not 1: name its group and window, or the claim as the analysis now words it"
+            )
+        out.loc[hit, "primary"] = spec["id"]
     rows = (out["primary"] != "") & out["verdict"].map(readable)
     if rows.any():
         flip = out.loc[rows, "p_sign_flip"] if "p_sign_flip" in out else pd.Series(np.nan, index=out.index)[rows]

@@ -93,7 +93,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
             blind = f"{done} of {planned[0]} seeds recorded; primary outcome hidden"
             claims = matched.blind(claims)
             tables.pop("matched_dose")
-    claims = A.numeric_columns(P.adjust_primary(claims, pre.get("primary", [])))
+    claims = A.numeric_columns(P.adjust_primary(claims, pre.get("primary", []), strict=not blind))
     tables["verdicts"] = verdicts(claims)
     if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
         tables["scale_check"] = claims[claims["claim"].str.contains(" - sham: (?:scale check|delivered dose)")]

@@ -86,7 +86,7 @@ def verdicts_index(root: str | Path) -> str:
     (and the smallest p its n can reach), its n-aware verdict (analysis.claims.n_aware), Holm over the
     study's primary family (the error control) and, descriptively, over every study's primary rows
     together; whether the row re-derives from committed per-run records. A pre-registered primary that
-    matches no row is an error (a reworded claim would otherwise leave its Holm family in silence)."""
+    picks no row, or several, is an error (a reworded claim would otherwise leave its Holm family in silence)."""
     root = Path(root)
     found = []
     amended = []
@@ -103,15 +103,12 @@ def verdicts_index(root: str | Path) -> str:
             variants[d.name] = pd.read_csv(d / f"{R.TABLE}.csv")
         if (d / f"{layers.TABLE}.csv").is_file():
             by_layer[d.name] = pd.read_csv(d / f"{layers.TABLE}.csv", keep_default_na=False, na_values=[""])
-        claims = P.adjust_primary(current, spec)
+        try:  # a primary that picks no row of its claims.csv, or several, is refused (adjust_primary)
+            claims = P.adjust_primary(current, spec)
+        except A.AnalysisError as e:
+            raise A.AnalysisError(f"{d.name}: {e}") from None
         for spec_row in spec:
-            rows = claims[claims["primary"] == spec_row["id"]]
-            if rows.empty:
-                raise A.AnalysisError(
-                    f"{d.name}: pre-registered primary {spec_row['id']} ({spec_row['claim']!r}) matches no row "
-                    "of its claims.csv"
-                )
-            for r in rows.itertuples(index=False):
+            for r in claims[claims["primary"] == spec_row["id"]].itertuples(index=False):
                 found.append((d.name, spec_row["id"], r, (d / RECORDS_DIR).is_dir()))
     tested = []  # per row: (sign-flip p, floor, Holm input p or NaN where the row is unreadable)
     for _, _, r, _ in found:
