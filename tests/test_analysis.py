@@ -373,6 +373,15 @@ def test_the_ladders_choice_dependent_rows_are_l2_and_l4():
         "L3": "robust (10 variants)", "L4": "choice-dependent (2 of 10 variants differ)",
     }  # fmt: skip
     assert "| L2 | leave out the 2 M budget | -0.663 [-1.5, 0.174] | 8 |" in (root / "VERDICTS.md").read_text()
+    # the main studies' variants: P1 is inconclusive against log2(step) (p 0.052), T3 from half of
+    # training and in 3 of its 4 leave-one-seed-out variants, T4 in 2 of them
+    keys = pd.read_csv(root / "study-keys-cpu" / "robustness.csv")
+    assert R.reading(keys, "P1") == "choice-dependent (1 of 18 variants differ)"
+    gpt2 = pd.read_csv(root / "study-trainer-gpt2" / "robustness.csv")
+    assert [R.reading(gpt2, c) for c in ("T1", "T2", "T3", "T4")] == [
+        "robust (6 variants)", "robust (6 variants)", "choice-dependent (4 of 6 variants differ)",
+        "choice-dependent (2 of 5 variants differ)",
+    ]  # fmt: skip
 
 
 def test_per_layer_rows_say_when_a_pooled_primary_is_a_net_of_opposite_layers():

@@ -20,9 +20,9 @@ REDERIVED = {
         ("claims.csv", "verdicts.csv", "ladder_key_slopes.csv", "robustness.csv", "per_layer.csv"),
         ["L1", "L2", "L3", "L4"],
     ),
-    "study-keys-cpu": (("claims.csv", "verdicts.csv", "per_layer.csv"), ["P1"]),
+    "study-keys-cpu": (("claims.csv", "verdicts.csv", "per_layer.csv", "robustness.csv"), ["P1"]),
     "causal-shape-cpu": (("claims.csv", "verdicts.csv"), ["C1"]),
-    "study-trainer-gpt2": (("claims.csv", "verdicts.csv", "per_layer.csv"), ["T1", "T2", "T3", "T4"]),
+    "study-trainer-gpt2": (("claims.csv", "verdicts.csv", "per_layer.csv", "robustness.csv"), ["T1", "T2", "T3", "T4"]),
 }
 
 

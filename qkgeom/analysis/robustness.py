@@ -9,9 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+import numpy as np
 import pandas as pd
 
-from qkgeom.analysis.claims import PARAMETRIC_ONLY
+from qkgeom.analysis import claims as A
+from qkgeom.analysis import stats
+from qkgeom.analysis.claims import PARAMETRIC_ONLY, seed_row
 from qkgeom.analysis.runs import AnalysisError
 
 TABLE = "robustness"  # robustness.csv beside claims.csv
@@ -58,3 +61,70 @@ def reading(table: pd.DataFrame, cid: str) -> str:
         if differ == 0
         else f"choice-dependent ({differ} of {len(mine)} variants differ)"
     )
+
+
+# The main study's primaries (a slope, or co-movement beyond the shared clock, pooled over layers and
+# runs per seed) re-judged: against log2(step) instead of the fraction of training; from half of
+# training on (or the transient end, if later); without each seed in turn.
+MAIN_VARIANTS = ("axis: log step", "window: later start", "leave one seed out")
+
+
+def _kind(claim: str) -> tuple | None:
+    for metric, text, sign in A.SLOPE_CLAIMS:
+        if claim == text:
+            return ("slope", metric, sign)
+    for x, y, text, sign in A.CORRELATION_CLAIMS:
+        if claim == text + A.CO_MOVEMENT:
+            return ("comovement", x, y, sign)
+    return None
+
+
+def _per_seed(w: pd.DataFrame, kind: tuple, axis: str = "progress") -> np.ndarray:
+    """A main claim's per-seed values on window rows `w`, as claims_main computes them (slopes: per
+    (run, layer) OLS slope, then the mean over a seed's runs and layers), on `axis`."""
+    if kind[0] == "comovement":
+        return A.comovement_per_seed(A.comovement_table(w), kind[1], kind[2])[0]
+    rows = w[(w["head"] == -1) & (w["metric"] == kind[1])].sort_values("step")
+    if axis == "log step":
+        rows = rows[rows["step"] > 0]
+    x = "progress" if axis == "progress" else "log_step"
+    rows = rows.assign(log_step=np.log2(rows["step"].clip(lower=1)))
+    slopes = rows.groupby(["run_id", "seed", "layer"]).apply(
+        lambda g: stats.slope(g[x].to_numpy(float), g["value"].to_numpy(float)), include_groups=False
+    )
+    return slopes.groupby("seed").mean().dropna().to_numpy()
+
+
+def main_variants(
+    base: pd.DataFrame, claims: pd.DataFrame, margin: float, families: Iterable[str] = MAIN_VARIANTS
+) -> pd.DataFrame:
+    """robustness.csv of a main study: its pooled primary rows (group `all`, post-transient) whose
+    claim is a slope or a co-movement, re-judged under each variant of the registered `families`.
+    base: the unconstrained runs' rows with transient ends (claims.with_transient). Each primary's
+    per-seed values are first recomputed as registered and must give its committed value (else the
+    variants would not vary the registered statistic: an error)."""
+    families, found, variants = set(families), {}, []
+    post = A.window(base, "post-transient")
+    later = base[base["step"] >= np.maximum(base["transient_end"], base["steps"] / 2)]
+    rows = claims[(claims["primary"] != "") & (claims["group"] == "all") & (claims["window"] == "post-transient")]
+    for r in rows.itertuples(index=False):
+        kind = _kind(r.claim)
+        if kind is None:
+            continue
+        found[r.primary] = pd.Series(r._asdict())
+        if not np.isclose(np.mean(_per_seed(post, kind)), r.value, rtol=1e-9, atol=1e-12):
+            raise AnalysisError(f"robustness: primary {r.primary} does not recompute to its value {r.value}")
+
+        def judged(v: np.ndarray, name: str, r=r, kind=kind) -> tuple[str, dict]:
+            row = seed_row(v, study="main", claim=r.claim, group="all", window=name, sign=kind[-1], note="",
+                           margin=margin)  # fmt: skip
+            return name, {r.primary: pd.Series(row)}
+
+        if "axis: log step" in families and kind[0] == "slope":
+            variants.append(judged(_per_seed(post, kind, "log step"), "axis: log2 step (not the fraction of training)"))
+        if "window: later start" in families:
+            variants.append(judged(_per_seed(later, kind), "window: from half of training (or the transient end)"))
+        if "leave one seed out" in families:
+            for s in sorted(post["seed"].unique()):
+                variants.append(judged(_per_seed(post[post["seed"] != s], kind), f"leave out seed {s}"))
+    return variant_table(found, variants) if found else pd.DataFrame(columns=COLUMNS)

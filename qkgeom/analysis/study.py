@@ -22,6 +22,7 @@ import pandas as pd
 from qkgeom.analysis import causal, layers, matched
 from qkgeom.analysis import claims as A
 from qkgeom.analysis import primary as P
+from qkgeom.analysis import robustness as R
 from qkgeom.analysis.prereg import study_analysis
 from qkgeom.results import SWEEP_MANIFEST, read_json, write_table
 
@@ -95,6 +96,8 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
             tables.pop("matched_dose")
     claims = A.numeric_columns(P.adjust_primary(claims, pre.get("primary", []), strict=not blind))
     tables["verdicts"] = verdicts(claims)
+    if (families := R.registered(pre, R.MAIN_VARIANTS)) and len(base) and not blind:  # analysis.robustness
+        tables[R.TABLE] = R.main_variants(base, claims, float(pre.get("margin", np.nan)), families)
     if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
         tables["scale_check"] = claims[claims["claim"].str.contains(" - sham: (?:scale check|delivered dose)")]
     written = {"summary": traj, "claims": claims, **tables}
@@ -261,7 +264,6 @@ def ladder_tables(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.Data
     Returns (claims, verdict table, local-slope summary, facts for the page: runs, planned, seeds,
     budgets, skipped-run warnings)."""
     from qkgeom.analysis import ladder as L
-    from qkgeom.analysis import robustness as R
 
     path = Path(path)
     with warnings.catch_warnings(record=True) as caught:
