@@ -2,7 +2,7 @@
 
     python bench/gpu_check.py [--nanogpt DIR] [--out docs/results/gpu/gpu_check.md]
 
-1. runs the `gpu` tests (tests/test_gpu.py: probe, train with the closed loop, the Hugging Face path,
+1. runs the `gpu` tests (tests/e2e/test_gpu.py: probe, train with the closed loop, the Hugging Face path,
    the Probe callback, `qkgeom pretrained --device cuda`; each equal to the CPU within 1e-6 / 1e-5);
 2. the paper preset at the study's real cadence (bench/cadence.py: unit costs from a short run,
    composed at 20,000 steps with a probe every 500): whole-job tokens/s and probe share;
@@ -45,9 +45,9 @@ GPT2_SMALL = ["model.n_layers=12", "model.d_model=768", "model.n_heads=12", "mod
 
 
 def gpu_tests() -> list[tuple[str, str]]:
-    """(test, PASSED/FAILED/SKIPPED) of `pytest -m gpu tests/test_gpu.py`."""
+    """(test, PASSED/FAILED/SKIPPED) of `pytest -m gpu tests/e2e/test_gpu.py`."""
     r = subprocess.run(
-        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider", "tests/test_gpu.py"],
+        [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider", "tests/e2e/test_gpu.py"],
         capture_output=True, text=True, cwd=REPO,
     )  # fmt: skip
     return re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR) \S*?::(\w+)", r.stdout, flags=re.M) or [

@@ -3,7 +3,7 @@
 Tensors stay on the model's device until their values are read; then `to_host` (or `host_list`,
 `host_float`) detaches them and moves them to the CPU in one copy. Nothing else in qkgeom calls
 `.numpy()`, `.item()`, `.tolist()`, `float()` or `int()` on a tensor: on a GPU `.numpy()` raises and
-each `.item()` is a host sync of its own. tests/test_device.py runs the probe, the trainer, the
+each `.item()` is a host sync of its own. tests/ground/test_device.py runs the probe, the trainer, the
 callbacks and the pretrained path under a mode that refuses any such call made by qkgeom outside this
 module (`converting` tells that mode a conversion is ours).
 
@@ -32,7 +32,7 @@ class DeviceError(QKGeomError, ValueError):
 
 
 def converting() -> bool:
-    """Whether the current call is inside `to_host` (the guard in tests/test_device.py reads it)."""
+    """Whether the current call is inside `to_host` (the guard in tests/ground/test_device.py reads it)."""
     return _CONVERTING.get()
 
 

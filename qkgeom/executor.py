@@ -85,7 +85,7 @@ def _worker_init() -> None:
 def pool_internals(pool: ProcessPoolExecutor) -> tuple[list, threading.Thread | None]:
     """The pool's worker processes and its manager thread. PRIVATE CPython attributes (3.9-3.13):
     concurrent.futures has no public way to terminate running workers, and shutdown() forgets
-    them. tests/test_executor_private.py fails loudly if a Python release renames them."""
+    them. tests/ground/test_executor_private.py fails loudly if a Python release renames them."""
     return list((pool._processes or {}).values()), pool._executor_manager_thread
 
 

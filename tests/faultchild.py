@@ -1,5 +1,5 @@
 """Run the qkgeom CLI with a fault injected at an exact point, deterministically (no racing a
-process from outside). Used by tests/test_faults.py:
+process from outside). Used by tests/e2e/test_faults.py:
 
     python -m tests.faultchild write:NAME:N  -- ARGS   SIGKILL half-way through the N-th atomic
                                                        write of a file called NAME (e.g. last.pt:2)
@@ -48,7 +48,7 @@ def _signal_at_step(step: int, sig: signal.Signals) -> None:
 
 
 def die_first_time(folder: str, key: str, dies: bool, seconds: float) -> str:
-    """A pool job (tests/test_faults.py): a `dies` job SIGKILLs its worker the first time it runs;
+    """A pool job (tests/e2e/test_faults.py): a `dies` job SIGKILLs its worker the first time it runs;
     every job takes `seconds`."""
     mark = Path(folder) / f"{key}.ran"
     if dies and not mark.exists():

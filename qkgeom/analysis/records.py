@@ -16,7 +16,7 @@ judged under (analysis.prereg): a later edit of it is refused unless registered 
 Spectra and checkpoints are dropped (they are what makes a run folder 10 MB). Because a record is a
 run folder, every reader (load_runs, analyze, report) reads it unchanged: ``qkgeom analyze
 docs/results/<study>`` finds the records under runs/ and rewrites claims.csv and verdicts.csv
-byte-identical (tests/test_records.py).
+byte-identical (tests/analysis/test_records.py).
 """
 
 from __future__ import annotations

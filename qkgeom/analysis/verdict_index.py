@@ -136,7 +136,7 @@ def verdicts_index(root: str | Path) -> str:
         "family, is the error control: a holds/fails verdict whose Holm p is >= 0.05 does not survive it.",
         "A row whose manipulation or scale check failed is unreadable: it enters no Holm family (`not",
         "tested`). Holm (all studies) is descriptive and moves as studies are added. records: whether the",
-        "row re-derives from committed per-run records (tests/test_records.py). variants: the registered",
+        "row re-derives from committed per-run records (tests/analysis/test_records.py). variants: the registered",
         "robustness variants (axis, window start, one budget or seed left out; the study's robustness.csv):",
         "a verdict that changes under any of them reads `choice-dependent`, and its differing variants are",
         "listed below the table. Blank: the study registers none. layers: for a primary that averages",

@@ -56,7 +56,7 @@ class PretrainedConfig:
     """Last step of the early window of the family trend statistics."""
     device: str = "cpu"
     """Torch device the model runs on (`cpu`, `cuda`, `cuda:N`, `mps`); geometry is the same on each
-    (float64 results within 1e-6 relative, tests/test_gpu.py), a GPU only faster."""
+    (float64 results within 1e-6 relative, tests/e2e/test_gpu.py), a GPU only faster."""
 
     @property
     def conventions(self) -> Conventions:

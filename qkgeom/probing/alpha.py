@@ -44,7 +44,7 @@ def power_law_alpha(
     wins. Range alpha > 1; heavier tails have smaller alpha (WeightWatcher reads 2-6 as trained).
 
     With min_tail = 2 this is exactly powerlaw 2.0.0's `Fit(x, discrete=False, parameter_ranges={"alpha":
-    [1, None]})` (tests/test_geometry.py); powerlaw's own default only accepts fits with alpha < 3,
+    [1, None]})` (tests/probing/test_geometry.py); powerlaw's own default only accepts fits with alpha < 3,
     which would hide the alphas of 4-8 that trained weights often show.
 
     Returns {alpha, xmin, n_tail, ks_distance, reason}: alpha is NaN, with the reason, for a spectrum

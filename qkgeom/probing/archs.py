@@ -50,7 +50,7 @@ def head_counts(model: nn.Module) -> tuple[int, int]:
 @dataclass(frozen=True)
 class Arch:
     """How to read one architecture. Adding one = one entry in ARCHS plus a config in
-    tests/test_pretrained.py's CONFIGS (the parity tests then cover it).
+    tests/probing/test_pretrained.py's CONFIGS (the parity tests then cover it).
 
     layout: where W_Q and W_K live in each attention module:
       `conv1d_qkv` GPT-2 Conv1D c_attn (D, 3D) [q | k | v];  `neox_qkv` GPT-NeoX query_key_value,
@@ -218,7 +218,9 @@ ARCHS = {
     "opt": Arch("q_proj", "linear", rotary=False),
     "bert": Arch("query", "bert", rotary=False),
 }
-ADD_ARCH_HINT = "add one in qkgeom/probing/archs.py (ARCHS, see Arch) with a parity test in tests/test_pretrained.py"
+ADD_ARCH_HINT = (
+    "add one in qkgeom/probing/archs.py (ARCHS, see Arch) with a parity test in tests/probing/test_pretrained.py"
+)
 
 
 def arch_of(model: nn.Module) -> Arch:

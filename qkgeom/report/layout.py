@@ -1,7 +1,7 @@
 """What makes a figure hard to read at a glance, found on the drawn figure (issue 57): text boxes that
 overlap (titles, the figure's title, axis labels, legends), axes that hold data but no tick labels on
 one of their axes or no y-axis label, and axes that hold nothing. The report's figures are checked in
-tests/test_report.py; `layout_problems` works on any matplotlib figure."""
+tests/report/test_report.py; `layout_problems` works on any matplotlib figure."""
 
 from __future__ import annotations
 

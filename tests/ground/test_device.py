@@ -112,7 +112,7 @@ def test_to_host_keeps_dtype_and_values():
 def test_the_probe_callback_path_converts_only_through_the_door(tmp_path):
     """qkgeom.Probe (what the Trainer and Lightning callbacks drive) in a plain loop with a loss passed
     as a tensor, under the guard."""
-    from tests.test_tracking import train_with_probe
+    from tests.probing.test_tracking import train_with_probe
 
     with HostGuard():
         train_with_probe(tmp_path / "p", steps=6, every=3)

@@ -13,7 +13,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 from qkgeom.cli import main
 from qkgeom.probing import archs
 from qkgeom.training.data import build_vocab
-from tests.test_pretrained import CONFIGS
+from tests.probing.test_pretrained import CONFIGS
 
 pytestmark = pytest.mark.usefixtures("wikitext")
 SMALL_RUN = ["--n-tokens", "256", "--seq-len", "32", "--batch-size", "4", "--no-progress"]

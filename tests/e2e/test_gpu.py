@@ -1,6 +1,6 @@
 """The GPU path: every measuring path on `cuda` gives the CPU's numbers (float64 results within 1e-6
 relative). Marked `gpu` and skipped without CUDA: CI has none; bench/gpu_check.py runs them on a lent
-GPU in one prepared call (`pytest -m gpu`). On a CPU, tests/test_device.py guards the same paths.
+GPU in one prepared call (`pytest -m gpu`). On a CPU, tests/ground/test_device.py guards the same paths.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def test_analyse_model_on_cuda_equals_cpu():
 def test_probe_callback_on_cuda(tmp_path):
     """qkgeom.Probe (the Trainer and Lightning callbacks' engine) on a model that trains on cuda."""
     import qkgeom
-    from tests.test_tracking import VOCAB, T, gpt2
+    from tests.probing.test_tracking import VOCAB, T, gpt2
 
     model = gpt2().to("cuda")
     batch = torch.randint(0, VOCAB, (4, T), device="cuda")
@@ -99,10 +99,10 @@ def test_probe_callback_on_cuda(tmp_path):
 
 def test_pretrained_cli_takes_a_device(tmp_path, wikitext):
     """`qkgeom pretrained --device cuda` on a local GPT-2 folder (a character vocabulary, as in
-    tests/test_pretrained_cli.py) gives the rows of `--device cpu`."""
+    tests/families/test_pretrained_cli.py) gives the rows of `--device cpu`."""
     from qkgeom.cli import main
     from qkgeom.training.data import build_vocab
-    from tests.test_pretrained_cli import SMALL_RUN, _save
+    from tests.families.test_pretrained_cli import SMALL_RUN, _save
 
     vocab = build_vocab(wikitext / "wikitext-2-raw" / "valid.txt", "char")
     _save("gpt2", tmp_path / "m", vocab, 0)

@@ -291,7 +291,7 @@ def test_the_terminal_verdict_tables_fit_100_columns():
     from qkgeom.analysis.study import format_verdict_table, verdicts
     from qkgeom.analysis.verdict_index import terminal_summary
 
-    root = Path(__file__).resolve().parent.parent / "docs" / "results"
+    root = Path(__file__).resolve().parents[2] / "docs" / "results"
     claims = pd.read_csv(root / "study-keys-cpu" / "claims.csv")
     table = verdicts(claims)
     text = format_verdict_table(table)
@@ -365,7 +365,7 @@ def test_the_ladders_choice_dependent_rows_are_l2_and_l4():
     window; L1 and L3 keep theirs under every variant."""
     from qkgeom.analysis import robustness as R
 
-    root = Path(__file__).resolve().parent.parent / "docs" / "results"
+    root = Path(__file__).resolve().parents[2] / "docs" / "results"
     table = pd.read_csv(root / "ladder-cpu" / "robustness.csv")
     words = {cid: R.reading(table, cid) for cid in ("L1", "L2", "L3", "L4")}
     assert words == {

@@ -1,6 +1,6 @@
 """qkgeom.Probe in a loop of one's own: its schedule, its rows against an independent recomputation
 and the in-memory analysis, the model left as it was, TensorBoard scalars equal to the Parquet rows,
-and the folders it refuses. The Trainer and Lightning callbacks: tests/test_integrations.py."""
+and the folders it refuses. The Trainer and Lightning callbacks: tests/integrations/test_integrations.py."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import pytest
 from qkgeom.families.config import load_pretrained
 from qkgeom.results import RunDir
 from qkgeom.training import sweep as S
-from tests.test_sweep import write_sweep
+from tests.training.test_sweep import write_sweep
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.usefixtures("wikitext")

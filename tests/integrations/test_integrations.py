@@ -98,7 +98,7 @@ def test_the_core_never_imports_the_integrations():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
-    from tests.test_layering import imports_of  # every import, also inside functions
+    from tests.e2e.test_layering import imports_of  # every import, also inside functions
 
     core = [p for p in (REPO / "qkgeom").rglob("*.py") if "integrations" not in p.parts]
     assert not [p.name for p in core if any(d.startswith("integrations") for d in imports_of(p))]

@@ -1,4 +1,4 @@
-"""The README's code blocks marked `<!-- run by tests/test_readme.py -->` run verbatim here, each in
+"""The README's code blocks marked `<!-- run by tests/e2e/test_readme.py -->` run verbatim here, each in
 an empty working directory; a block that trains writes run folders under runs/, which
 `qkgeom analyze` and `qkgeom report` must then read."""
 
@@ -8,7 +8,7 @@ import pytest
 
 from tests.conftest import REPO
 
-MARK = r"<!-- run by tests/test_readme.py -->\n```python\n(.*?)```"
+MARK = r"<!-- run by tests/e2e/test_readme.py -->\n```python\n(.*?)```"
 BLOCKS = re.findall(MARK, (REPO / "README.md").read_text(), re.S)
 
 

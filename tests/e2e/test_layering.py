@@ -11,7 +11,7 @@ import ast
 import re
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parent.parent / "qkgeom"
+PACKAGE = Path(__file__).resolve().parents[2] / "qkgeom"
 README = PACKAGE.parent / "README.md"
 ORDER = [
     # ground: what every wing may use

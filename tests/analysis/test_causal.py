@@ -6,7 +6,7 @@ import pandas as pd
 import pytest
 
 from qkgeom.analysis import causal, stats
-from tests.test_analysis import STEPS, claim, synthetic
+from tests.analysis.test_analysis import STEPS, claim, synthetic
 
 SEEDS = range(5)
 
