@@ -7,6 +7,7 @@ line prints. Nothing here draws: report.study renders these tables (measure < ju
 <dir>/claims.parquet|csv    the claims table (main and/or intervention study)
 <dir>/verdicts.csv          one line per judged claim (verdicts)
 <dir>/interim_checks.csv    instead of both, while a study is blind (fewer seeds than registered)
+<dir>/energy_ranks.csv, lifecycle_depth.csv   what the report shows of the weight spectra (analysis.shown)
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from qkgeom.analysis import claims as A
 from qkgeom.analysis import primary as P
 from qkgeom.analysis import robustness as R
 from qkgeom.analysis.prereg import study_analysis
+from qkgeom.analysis.shown import Shown, shown
 from qkgeom.results import SWEEP_MANIFEST, read_json, write_table
 
 INTERIM_CHECKS = "interim_checks"  # a blind study's table: its checks, without any outcome row
@@ -47,6 +49,7 @@ class Analysis:
     dose_summary: dict | None = None  # their mean, 95% t-interval and n (causal.dose_summary)
     matched_dose: pd.DataFrame | None = None  # causal v4: per (layer, arm) dose and entropy vs sham, 95% t
     blind: str = ""  # an incomplete study's outcomes hidden: "k of n seeds recorded; primary outcome hidden"
+    shown: Shown | None = None  # context, spectral tables, a single run's table (analysis.shown)
 
     @property
     def claims_path(self) -> Path:
@@ -109,13 +112,17 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
         written[layers.TABLE] = by_layer
     for name, df in written.items():
         write_table(path, name, df, parquet=True)
+    extra_tables = shown(path, geometry, per_run)  # what the report shows besides the claims
+    for name in ("energy_ranks", "lifecycle_depth"):
+        if (df := getattr(extra_tables, name)) is not None and len(df):
+            write_table(path, name, df)
     points = causal.dose_points(geometry) if geometry["intervention"].nunique() > 1 and not blind else None
     fits = causal.dose_response(points) if points is not None else None
     return Analysis(
         path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"), per_run=per_run,
         slope_depth=A.slope_by_depth(per_run) if len(per_run) else None, dose_points=points, dose_slopes=fits,
         dose_summary=causal.dose_summary(fits) if fits is not None and len(fits) else None,
-        matched_dose=tables.get("matched_dose"), blind=blind,
+        matched_dose=tables.get("matched_dose"), blind=blind, shown=extra_tables,
     )  # fmt: skip
 
 

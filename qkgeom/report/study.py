@@ -16,20 +16,19 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis import causal, spectral
+from qkgeom.analysis import causal
 from qkgeom.analysis import claims as A
-from qkgeom.analysis.context import context_sentence, study_context
+from qkgeom.analysis.context import context_sentence
+from qkgeom.analysis.shown import run_folder
 from qkgeom.analysis.study import CAUSAL_GROUPS, LADDER_TABLE, Analysis, ladder_tables, verdicts
 from qkgeom.report import plots
 from qkgeom.report.layout import tidy
 from qkgeom.results import (
-    RECORDS_DIR,
     REPORT_INDEX,
     SWEEP_MANIFEST,
     RunDir,
     atomic_write_bytes,
     read_json,
-    write_table,
 )
 
 GREEN, RED, AMBER = "#d8f0d8", "#f6d5d5", "#f3ecd0"
@@ -62,15 +61,6 @@ def png_bytes(fig) -> bytes:
     return buf.getvalue()
 
 
-def _run_dir(a: Analysis, run_id: str) -> RunDir:
-    """The folder of `run_id`: a sub-folder of the analysed path (or of its records, runs/), or the path
-    itself for one run."""
-    for folder in (a.path / run_id, a.path / RECORDS_DIR / run_id):
-        if folder.is_dir():
-            return RunDir(folder)
-    return RunDir(a.path)
-
-
 def _spectra_by_init(a: Analysis) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """For each init, the W_Q W_K^T spectra of its lowest-seed run at the middle depth."""
     runs = a.geometry[["run_id", "qk_init", "n_layers", "seed", "intervention"]].drop_duplicates()
@@ -79,7 +69,7 @@ def _spectra_by_init(a: Analysis) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     out = {}
     for key, g in runs[runs["n_layers"] == depth].groupby(["intervention", "qk_init"]):
         r = g.sort_values("seed").iloc[0]
-        spec = _run_dir(a, r["run_id"]).read_spectra()
+        spec = RunDir(run_folder(a.path, r["run_id"])).read_spectra()
         if "W_QK_singular_values" in spec:
             title = f"{key[1]}, depth {depth}" + (f", {key[0]}" if a.is_intervention else "") + f", seed {r['seed']}"
             out[title] = (spec["step"], spec["W_QK_singular_values"])
@@ -142,21 +132,17 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
             )
         if not a.is_intervention:
             figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "qk_init"))
-    first = _spectral_run(a)
-    if first is not None:
-        run_id, rows = first
-        ranks = spectral.energy_ranks(rows)
-        if len(ranks):
-            figs["energy_ranks"] = (
-                f"Weight rank against realised rank per head at {run_id}'s last probe (table: energy_ranks.csv).",
-                plots.energy_ranks(ranks, f"{run_id}: last probe"),
-            )
-        life = spectral.lifecycle(rows)
-        if len(life):
-            figs["spectral_lifecycle"] = (
-                f"alpha and PR of W_Q, W_K, W_V, W_O per layer over training ({run_id}).",
-                plots.spectral_lifecycle(life, run_id),
-            )
+    sh = a.shown
+    if sh is not None and sh.energy_ranks is not None and len(sh.energy_ranks):
+        figs["energy_ranks"] = (
+            f"Weight rank against realised rank per head at {sh.spectral_run}'s last probe (table: energy_ranks.csv).",
+            plots.energy_ranks(sh.energy_ranks, f"{sh.spectral_run}: last probe"),
+        )
+    if sh is not None and sh.lifecycle is not None and len(sh.lifecycle):
+        figs["spectral_lifecycle"] = (
+            f"alpha and PR of W_Q, W_K, W_V, W_O per layer over training ({sh.spectral_run}).",
+            plots.spectral_lifecycle(sh.lifecycle, sh.spectral_run),
+        )
     spectra = _spectra_by_init(a)
     if spectra:
         figs["interaction_spectrum"] = (
@@ -166,28 +152,6 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
     return {k: (cap, png_bytes(fig)) for k, (cap, fig) in figs.items()}
 
 
-def _unconstrained(g: pd.DataFrame) -> pd.DataFrame:
-    """The rows of runs without an intervention (all rows where the table has no intervention column)."""
-    return g[g["intervention"] == "none"] if "intervention" in g else g
-
-
-def lifecycle_depth(a: Analysis) -> pd.DataFrame:
-    """spectral.lifecycle_depth over the unconstrained runs, each from its detected transient end."""
-    base = _unconstrained(a.geometry)
-    if base.empty:
-        return spectral.lifecycle_depth(base)
-    return spectral.lifecycle_depth(base, A.transient_ends(base).to_dict())
-
-
-def _spectral_run(a: Analysis) -> tuple[str, pd.DataFrame] | None:
-    """The run whose spectral figures the report shows: the first unconstrained run (lowest seed)."""
-    base = _unconstrained(a.geometry)
-    if base.empty:
-        return None
-    run_id = base.sort_values(["seed", "run_id"])["run_id"].iloc[0]
-    return run_id, base[base["run_id"] == run_id]
-
-
 def _rounded(x: float | None, digits: int) -> float | None:
     return None if x is None else round(x, digits)
 
@@ -195,7 +159,7 @@ def _rounded(x: float | None, digits: int) -> float | None:
 def _provenance(a: Analysis) -> pd.DataFrame:
     rows = []
     for run_id in sorted(a.geometry["run_id"].unique()):
-        rd = _run_dir(a, run_id)
+        rd = RunDir(run_folder(a.path, run_id))
         cfg, done = read_json(rd.config), read_json(rd.done)
         prov = cfg["provenance"]
         rows.append(
@@ -239,8 +203,7 @@ PIPELINE_PRESETS = ("smoke", "tiny")  # presets that check the pipeline, not the
 def context_box(a: Analysis) -> list[str]:
     """The report's opening: how far training got (context.py), and for the smoke-scale presets a
     plain statement that the verdicts below check the pipeline, not the science."""
-    runs = {rid: _run_dir(a, rid).path for rid in sorted(a.geometry["run_id"].unique())}
-    ctx = study_context(runs, a.geometry)
+    ctx = a.shown.context
     sweep = a.path / SWEEP_MANIFEST
     preset = read_json(sweep).get("base", "") if sweep.is_file() else ""
     out = [f"<div class='context'><b>How far training got.</b> {html.escape(context_sentence(ctx))}</div>"]
@@ -287,12 +250,8 @@ def write_report(a: Analysis, sections: list[str] = ()) -> Path:
     figs = figures(a)
     for name, (_, png) in figs.items():
         atomic_write_bytes(out / f"{name}.png", png)
-    spectral_run = _spectral_run(a)
-    if spectral_run is not None and len(ranks := spectral.energy_ranks(spectral_run[1])):
-        write_table(out, "energy_ranks", ranks.assign(run_id=spectral_run[0]))
-    life_depth = lifecycle_depth(a)
-    if len(life_depth):
-        write_table(out, "lifecycle_depth", life_depth)
+    life_depth = a.shown.lifecycle_depth if a.shown is not None else None
+    life_depth = life_depth if life_depth is not None else pd.DataFrame()
     claims = a.claims.copy()
     for c in ("value", "ci_low", "ci_high", "p_value"):
         claims[c] = claims[c].map(lambda v: "" if pd.isna(v) else f"{v:.4g}")
@@ -352,7 +311,6 @@ def write_report(a: Analysis, sections: list[str] = ()) -> Path:
     return write_page(out, f"qkgeom report: {a.path.name}", parts)
 
 
-MIN_WINDOW_PROBES = 3  # probes a window needs for the single-run table's slopes
 RUN_TABLE = {
     "slope:query_participation_ratio": "PR_Q slope (PR per run)",
     "slope:key_participation_ratio": "PR_K slope (PR per run)",
@@ -366,44 +324,36 @@ def _write_run_report(a: Analysis) -> Path:
     """One run: no seeds, so no intervals and no verdicts; per-layer post-transient statistics and
     per-layer trajectories instead."""
     out = a.path / "report"
-    g = a.geometry
-    start = int(g["transient_end"].iloc[0])
-    n_post = g.loc[g["step"] >= start, "step"].nunique()
-    window = f"the post-transient window (from step {start})"
-    per_run = a.per_run
-    if n_post < MIN_WINDOW_PROBES:  # e.g. a short run whose transient ends at its last probe
-        per_run = A.per_run_statistics(A.window(g, "whole"))
-        window = (f"the whole run: the post-transient window (from step {start}) holds {n_post} probe(s), "
-                  f"too few for a slope (at least {MIN_WINDOW_PROBES})")  # fmt: skip
-    per_layer = per_run[["layer", *RUN_TABLE]].rename(columns=RUN_TABLE)
+    g, sh = a.geometry, a.shown
+    per_layer = sh.run_per_layer[["layer", *RUN_TABLE]].rename(columns=RUN_TABLE)
     figs = {
         "layer_trajectories": ("PR_Q and PR_K of every layer against step.", plots.layer_trajectories(g)),
         "loss": ("Validation loss.", plots.loss_curves(a.metrics, "qk_init")),
     }
-    ranks, life = spectral.energy_ranks(g), spectral.lifecycle(g)
+    ranks = sh.energy_ranks if sh.energy_ranks is not None else pd.DataFrame()
     if len(ranks):
         figs["energy_ranks"] = (
             "Weight rank against realised rank per head at the last probe (table below, and energy_ranks.csv).",
             plots.energy_ranks(ranks, "last probe"),
         )
-    if len(life):
+    if sh.lifecycle is not None and len(sh.lifecycle):
         figs["spectral_lifecycle"] = (
             "alpha and PR of W_Q, W_K, W_V, W_O per layer over training.",
-            plots.spectral_lifecycle(life, a.path.name),
+            plots.spectral_lifecycle(sh.lifecycle, a.path.name),
         )
+    whole = sh.run_window.startswith("the whole run")
     parts = [
         f"<h1>run: {html.escape(a.path.name)}</h1>",
         *context_box(a),
-        f"<p>One run: statistics per layer over {html.escape(window)}; claims need several seeds (a study) for "
-        "intervals and verdicts.</p>",
-        f"<h2>Per layer, {'post-transient' if n_post >= MIN_WINDOW_PROBES else 'whole run'}</h2>",
+        f"<p>One run: statistics per layer over {html.escape(sh.run_window)}; claims need several seeds (a study) "
+        "for intervals and verdicts.</p>",
+        f"<h2>Per layer, {'whole run' if whole else 'post-transient'}</h2>",
         per_layer.to_html(index=False, float_format=lambda v: f"{v:.3g}"),
     ]
     if len(ranks):
-        write_table(out, "energy_ranks", ranks)
         parts += [
             "<h2>Weight rank and realised rank (last probe)</h2>",
-            ranks.to_html(index=False, float_format=lambda v: f"{v:.3g}"),
+            ranks.drop(columns="run_id").to_html(index=False, float_format=lambda v: f"{v:.3g}"),
         ]
     for name, (cap, fig) in figs.items():
         png = png_bytes(fig)

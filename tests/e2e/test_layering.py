@@ -37,7 +37,7 @@ ORDER = [
     ["analysis.records", "analysis.primary"],
     ["analysis.robustness"],
     ["analysis.layers"],
-    ["analysis.causal", "analysis.ladder"],
+    ["analysis.causal", "analysis.ladder", "analysis.shown"],
     ["analysis.matched"],
     ["analysis.study"],
     ["analysis.verdict_index"],

@@ -124,7 +124,7 @@ def test_report_sets_weight_rank_beside_realised_rank_and_the_spectral_lifecycle
     W_Q W_K^T and of the data's logits with their ratio, equal to the geometry rows; the report shows
     it and the alpha / PR lifecycle of W_Q, W_K, W_V, W_O."""
     out, _ = study
-    ranks = pd.read_csv(out / "report" / "energy_ranks.csv")
+    ranks = pd.read_csv(out / "energy_ranks.csv")  # written by analyze (analysis.shown), drawn by the report
     run_id = ranks["run_id"].iloc[0]
     g = pd.read_parquet(out / run_id / "geometry.parquet")
     last = g[(g.step == g.step.max()) & (g["head"] >= 0)]
