@@ -2,6 +2,8 @@
 
     python docs/results/screens/shoot.py NAME=path/to/report/index.html [...]
 
+A NAME ending in `-top` is the first screen only (1280 x 900); any other is the whole page.
+
 Each page is checked as it is shot: every image loaded, and no horizontal overflow at 1280 px.
 """
 
@@ -31,7 +33,8 @@ def main(pairs: list[str]) -> int:
             bad += not ok
             verdict = "ok" if ok else "FAIL"
             print(f"{name}: {len(images)} images loaded, overflow {overflow} px, height {height} px: {verdict}")
-            driver.set_window_size(1280, min(height + 100, 6000))
+            if not name.endswith("-top"):  # NAME-top: the first screen only (1280 x 900), as a reader lands
+                driver.set_window_size(1280, min(height + 100, 6000))
             driver.save_screenshot(str(Path(__file__).parent / f"{name}.png"))
             driver.set_window_size(1280, 900)
     finally:
