@@ -214,6 +214,10 @@ class GeometryAccumulator:
             row = {"layer": layer, "head": head, "site": self.site, "metric": metric, "value": D.as_float(value)}
             out.append(row | {"note": note} if note else row)
 
+        def add_heads(layer: int, metric: str, values) -> None:  # one host transfer per vector, not per head
+            for h, v in enumerate(D.host_list(values) if isinstance(values, torch.Tensor) else values):
+                add(layer, h, metric, v)
+
         G.solve_together([acc for st in self.layers for acc in (st.q_all, st.k_all)])
         for li, st in enumerate(self.layers):
             head_eigs = {}
@@ -222,8 +226,7 @@ class GeometryAccumulator:
                 for name, v in _summary(acc.eigenvalues(), acc.n, conv).items():
                     add(li, -1, f"{side}_{name}", v)
                 for name, vals in _summary(head_eigs[side], acc.n, conv).items():
-                    for h, v in enumerate(D.host_list(vals)):
-                        add(li, h, f"{side}_{name}", v)
+                    add_heads(li, f"{side}_{name}", vals)
             pr_q = G.participation_ratio_as(head_eigs["query"], conv)
             pr_k = G.participation_ratio_as(head_eigs["key"], conv)
             group = len(pr_q) // len(pr_k)
@@ -234,43 +237,37 @@ class GeometryAccumulator:
                 G.participation_ratio_as(st.q_all.eigenvalues(), conv)
                 - G.participation_ratio_as(st.k_all.eigenvalues(), conv),
             )
-            for h in range(len(pr_q)):
-                add(li, h, "participation_ratio_contrast", pr_q[h] - pr_k[h // group])
+            add_heads(li, "participation_ratio_contrast", pr_q - pr_k.repeat_interleave(group))
             if st.ent_sum is not None and st.ent_n:
                 ent, ent_n = st.ent_sum / st.ent_n, st.ent_norm_sum / st.ent_n
                 med = _hist_median(st.ent_hist)
-                for h in range(len(ent)):
-                    add(li, h, "attention_entropy", ent[h])
-                    add(li, h, "attention_entropy_normalised", ent_n[h])
-                    add(li, h, "attention_entropy_normalised_median", med[h])
+                add_heads(li, "attention_entropy", ent)
+                add_heads(li, "attention_entropy_normalised", ent_n)
+                add_heads(li, "attention_entropy_normalised_median", med)
                 add(li, -1, "attention_entropy", ent.mean())
                 add(li, -1, "attention_entropy_normalised", ent_n.mean())
                 add(li, -1, "attention_entropy_normalised_median", _hist_median(st.ent_hist.sum(0, keepdim=True))[0])
             if st.logit_n:
                 pr, top = st.logit_pr_sum / st.logit_n, st.logit_top_sum / st.logit_n
-                for h in range(len(pr)):
-                    add(li, h, "logit_participation_ratio", pr[h])
-                    add(li, h, "logit_spectral_norm", top[h])
+                add_heads(li, "logit_participation_ratio", pr)
+                add_heads(li, "logit_spectral_norm", top)
                 add(li, -1, "logit_participation_ratio", pr.mean())
                 add(li, -1, "logit_spectral_norm", top.mean())
                 ranks = st.energy_rank_sum / st.logit_n  # components carrying 90% of the energy, per sequence
-                for h in range(len(ranks)):
-                    add(li, h, "logit_energy_rank90", ranks[h])
+                add_heads(li, "logit_energy_rank90", ranks)
                 add(li, -1, "logit_energy_rank90", ranks.mean())
             # input-weighted logit scale (all probe tokens): from the head blocks of the layer's covariances
             cq, ck = st.q_all.block_covariances(st.n_q_heads), st.k_all.block_covariances(st.n_k_heads)
             mq = st.q_all.mean.reshape(st.n_q_heads, -1)
             scale = G.input_logit_scale(cq, ck.repeat_interleave(st.n_q_heads // st.n_k_heads, dim=0), mq)
             scale = scale * st.logit_gain**2
-            for h in range(len(scale)):
-                add(li, h, "input_logit_scale", scale[h])
+            add_heads(li, "input_logit_scale", scale)
             add(li, -1, "input_logit_scale", scale.mean())
             if st.row_n:
                 mean = st.row_std_sum / st.row_n
                 sd = (st.row_std_sq_sum / st.row_n - mean**2).clamp_min(0).sqrt()
                 for name, vals in (("logit_row_std", mean), ("logit_row_std_cv", sd / mean)):
-                    for h in range(len(vals)):
-                        add(li, h, name, vals[h])
+                    add_heads(li, name, vals)
                     add(li, -1, name, vals.mean())
         return out
 
