@@ -204,7 +204,6 @@ class GeometryAccumulator:
     def rows(self) -> list[dict]:
         """Tidy rows (layer, head, site, metric, value) for everything streamed so far."""
         out: list[dict] = []
-
         conv = self.conventions.pr
 
         def add(layer: int, head: int, metric: str, value: float) -> None:
@@ -223,9 +222,10 @@ class GeometryAccumulator:
             head_eigs = {}
             for side, acc, n_heads in (("query", st.q_all, st.n_q_heads), ("key", st.k_all, st.n_k_heads)):
                 head_eigs[side] = acc.block_eigenvalues(n_heads)
-                for name, v in _summary(acc.eigenvalues(), acc.n, conv).items():
-                    add(li, -1, f"{side}_{name}", v)
-                for name, vals in _summary(head_eigs[side], acc.n, conv).items():
+                layer_sum, head_sum = _summary(acc.eigenvalues(), acc.n, conv), _summary(head_eigs[side], acc.n, conv)
+                for name, v in zip(layer_sum, D.host_list(torch.stack(list(layer_sum.values()))), strict=True):
+                    add(li, -1, f"{side}_{name}", v)  # each dict of statistics in one host transfer
+                for name, vals in zip(head_sum, D.host_list(torch.stack(list(head_sum.values()))), strict=True):
                     add_heads(li, f"{side}_{name}", vals)
             pr_q = G.participation_ratio_as(head_eigs["query"], conv)
             pr_k = G.participation_ratio_as(head_eigs["key"], conv)
@@ -399,13 +399,13 @@ def weight_geometry(
             "interaction_spectral_norm": sv_qk[:, 0],
             "interaction_energy_rank90": G.energy_rank(sv_qk),  # beside the data's logit_energy_rank90
         }
-        for name, vals in metrics.items():
+        per_head = [D.host_list(v) for v in metrics.values()]  # query and key heads differ in number (GQA)
+        means = D.host_list(torch.stack([v.mean() for v in metrics.values()]))  # each mean as before
+        for name, vals, mean in zip(metrics, per_head, means, strict=True):
             extra = {"note": G.pr_note(pr_convention)} if G.is_pr_metric(name) else {}
-            for h, v in enumerate(D.host_list(vals)):
+            for h, v in enumerate(vals):
                 rows.append({"layer": li, "head": h, "site": site, "metric": name, "value": float(v)} | extra)
-            rows.append(
-                {"layer": li, "head": -1, "site": site, "metric": name, "value": D.host_float(vals.mean())} | extra
-            )
+            rows.append({"layer": li, "head": -1, "site": site, "metric": name, "value": float(mean)} | extra)
         add_alphas(li, "W_Q", sv_q, svs[li]["W_Q"][1])
         add_alphas(li, "W_K", sv_k, svs[li]["W_K"][1])
         add_alphas(li, "W_QK", sv_qk, None)
