@@ -166,7 +166,7 @@ def _settle_records(spec, out: Path, records: Path) -> None:
     record is stamped with), a killed record write's temp folder removed, the records checked against
     the pre-registration, and a record written for every run that finished without one."""
     from qkgeom.analysis.prereg import check_records
-    from qkgeom.analysis.records import clean_temp, record_missing
+    from qkgeom.analysis.records import clean_temp, record_missing, recorded_runs, restore_baselines
     from qkgeom.training.sweep import expand, write_manifest
 
     runs = expand(spec)
@@ -177,6 +177,9 @@ def _settle_records(spec, out: Path, records: Path) -> None:
         print(f"removed {d} (a record write that was killed)", file=sys.stderr)
     for d in record_missing(out, records, [r.run_id for r in runs]):
         print(f"recorded {d.name} (finished earlier without its record)", file=sys.stderr)
+    todo = [r for r in runs if r.run_id not in recorded_runs(records)]  # their none runs, from records
+    for d in restore_baselines(out, records, {Path(b).name for r in todo if (b := r.config.intervention.baseline)}):
+        print(f"restored {d.name} from its record (the baseline of runs still to train)", file=sys.stderr)
 
 
 def _record_writer(out: Path, records: Path | None):
@@ -222,12 +225,8 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", help="a sweep TOML file or a study preset (listed below under `study --help`)")
     _add_set_arg(p, "override a config field in every run, e.g. --set train.steps=50 (repeatable)")
     _add_output_args(p, "RUNS/<sweep name>")
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=0,
-        help="parallel runs (default: one per CPU core; each gets cores/workers torch threads)",
-    )
+    workers = "parallel runs (default: one per CPU core; each gets cores/workers torch threads)"
+    p.add_argument("--workers", type=int, default=0, help=workers)
     _add_executor_args(p, "local process pool (default) or a Ray cluster (pip install qkgeom[ray])")
     p.add_argument("--gpus-per-run", type=float, default=0.0, help="with --executor ray: GPUs each run asks for")
     p.add_argument("--dry-run", action="store_true", help="list the runs (and which are done) without running")

@@ -126,3 +126,21 @@ def measured_seconds(results: str | Path) -> dict[tuple[int, int], float]:
         if done.get("elapsed") and done.get("step"):
             seen.setdefault((m["n_layers"], t["batch_size"] * m["n_ctx"]), []).append(done["elapsed"] / done["step"])
     return {k: sum(v) / len(v) for k, v in seen.items()}
+
+
+def restore_baselines(runs: str | Path, results: str | Path, run_ids: set[str]) -> list[Path]:
+    """The baseline (`none`) runs that runs still to train read their targets from, restored from their
+    records where the run folder is gone (run folders are not kept between sittings; a record holds the
+    geometry and done.json the control reads). Returns the folders restored; a finished folder is kept."""
+    restored = []
+    for run_id in sorted(run_ids):
+        folder, record = Path(runs) / run_id, Path(results) / RECORDS_DIR / run_id
+        if RunDir(folder).is_done() or not (record / "done.json").is_file():
+            continue
+        tmp = folder.with_name(f".{run_id}.restoring")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(record, tmp)  # whole, then renamed: a killed copy never looks finished
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
+        restored.append(folder)
+    return restored

@@ -295,3 +295,23 @@ def test_a_study_without_records_is_pinned(tmp_path, capsys, monkeypatch):
     (root / "study-causal-cpu" / "preregistration_pin.json").unlink()
     assert main(["verdicts", str(root)]) == 2
     assert "is not pinned" in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("wikitext")
+def test_a_baseline_recorded_in_an_earlier_sitting_is_restored_for_its_arms(tmp_path):
+    """causal-v4's seed 5: its none run was recorded in one session, two of its arms were left for the
+    next, where the run folder was gone and both arms failed ("baseline run ... is not finished").
+    The sitting now restores a baseline from its record before training the arms that read it."""
+    from qkgeom.analysis.records import restore_baselines
+    from qkgeom.training.loop import train
+
+    runs, study = tmp_path / "runs", tmp_path / "study"
+    train(tiny_config(train={"steps": 12}), runs / "none0", progress=False)
+    write_record(runs / "none0", study / "runs")
+    shutil.rmtree(runs / "none0")  # a new sitting: run folders are not kept
+    assert restore_baselines(runs, study, {"none0", "never-recorded"}) == [runs / "none0"]
+    assert RunDir(runs / "none0").is_done()
+    pd.testing.assert_frame_equal(
+        RunDir(runs / "none0").read_geometry(), RunDir(study / "runs" / "none0").read_geometry()
+    )
+    assert restore_baselines(runs, study, {"none0"}) == []  # a finished folder is kept

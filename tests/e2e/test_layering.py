@@ -149,7 +149,7 @@ def test_the_report_draws_and_judges_nothing():
 # (issue 55: the list named modules, not sizes, and they grew): a listed module may shrink, never grow,
 # and leaves the list once under the cap. training.interventions left it on 2026-12-04 (maps, complement),
 # probing.geometry on 2026-12-05 (the alpha fits to probing.alpha).
-OVER_CAP = {"config": 587, "cli": 626, "training.loop": 509, "analysis.claims": 514, "analysis.causal": 551,
+OVER_CAP = {"config": 587, "cli": 625, "training.loop": 509, "analysis.claims": 514, "analysis.causal": 551,
             "probing.probe": 599, "report.plots": 526}  # fmt: skip
 CAP = 500
 
