@@ -22,6 +22,7 @@ REDERIVED = {
     ),
     "study-keys-cpu": (("claims.csv", "verdicts.csv", "per_layer.csv", "robustness.csv"), ["P1"]),
     "causal-shape-cpu": (("claims.csv", "verdicts.csv"), ["C1"]),
+    "causal-v4-cpu": (("claims.csv", "verdicts.csv", "matched_dose.csv", "scale_check.csv"), ["V1", "V2", "V3", "V4"]),
     "study-trainer-gpt2": (("claims.csv", "verdicts.csv", "per_layer.csv", "robustness.csv"), ["T1", "T2", "T3", "T4"]),
 }
 
