@@ -256,12 +256,12 @@ class CostBar:
     comes from measured progress: finished runs count whole, and a background thread reads the last
     step of every running run's metrics.jsonl every few seconds, so the remaining time is estimated
     from the step times actually measured, and a grid of unequal runs (depth 4 to 8) is weighed
-    honestly. ``update(1, run_id)`` marks a run finished. Without a terminal (or with progress off) there
-    is no bar: each finished run prints one line to stderr, with the time left from the same estimate."""
+    honestly. ``update(1, run_id)`` marks a run finished. Without a terminal there is no bar: each
+    finished run prints one line to stderr, with the time left from the same estimate."""
 
     def __init__(self, runs: list[RunSpec], skipped: list[str], name: str, progress: bool, out: Path) -> None:
-        self.lines = not (progress and sys.stderr.isatty())  # a log file gets lines, not carriage returns
-        progress = progress and not self.lines
+        self.lines = progress and not sys.stderr.isatty()  # a log file gets lines, not carriage returns
+        progress = progress and not self.lines  # --no-progress: neither
         self.name, self.started = name, time.monotonic()
         self.cost = {r.run_id: run_cost(r.config) for r in runs}
         self.steps = {r.run_id: r.config.train.steps for r in runs}

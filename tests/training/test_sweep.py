@@ -61,7 +61,7 @@ def test_unknown_sweep_preset():
 def test_pool_isolates_failures_skips_finished_and_matches_train(tmp_path, capsys):
     spec = S.load_sweep(write_sweep(tmp_path, '"train.lr" = [3e-3, 1e6]\n"train.seed" = [0, 1]'))
     out = tmp_path / "runs"
-    res = S.run_sweep(spec, out, workers=2, progress=False)
+    res = S.run_sweep(spec, out, workers=2, progress=True)  # stderr is not a terminal here
     assert len(res.done) == 2 and len(res.failed) == 2 and not res.skipped
     # no bar without a terminal: one line per finished run (a log file got nothing for 9 minutes)
     lines = capsys.readouterr().err.splitlines()
