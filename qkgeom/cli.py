@@ -166,7 +166,7 @@ def _settle_records(spec, out: Path, records: Path) -> None:
     record is stamped with), a killed record write's temp folder removed, the records checked against
     the pre-registration, and a record written for every run that finished without one."""
     from qkgeom.analysis.prereg import check_records
-    from qkgeom.analysis.records import clean_temp, record_missing, recorded_runs, restore_baselines
+    from qkgeom.analysis.records import clean_temp, record_missing, restore_baselines
     from qkgeom.training.sweep import expand, write_manifest
 
     runs = expand(spec)
@@ -177,8 +177,8 @@ def _settle_records(spec, out: Path, records: Path) -> None:
         print(f"removed {d} (a record write that was killed)", file=sys.stderr)
     for d in record_missing(out, records, [r.run_id for r in runs]):
         print(f"recorded {d.name} (finished earlier without its record)", file=sys.stderr)
-    todo = [r for r in runs if r.run_id not in recorded_runs(records)]  # their none runs, from records
-    for d in restore_baselines(out, records, {Path(b).name for r in todo if (b := r.config.intervention.baseline)}):
+    needs = {r.run_id: Path(r.config.intervention.baseline).name for r in runs if r.config.intervention.baseline}
+    for d in restore_baselines(out, records, needs):
         print(f"restored {d.name} from its record (the baseline of runs still to train)", file=sys.stderr)
 
 

@@ -128,12 +128,13 @@ def measured_seconds(results: str | Path) -> dict[tuple[int, int], float]:
     return {k: sum(v) / len(v) for k, v in seen.items()}
 
 
-def restore_baselines(runs: str | Path, results: str | Path, run_ids: set[str]) -> list[Path]:
+def restore_baselines(runs: str | Path, results: str | Path, needs: dict[str, str]) -> list[Path]:
     """The baseline (`none`) runs that runs still to train read their targets from, restored from their
     records where the run folder is gone (run folders are not kept between sittings; a record holds the
-    geometry and done.json the control reads). Returns the folders restored; a finished folder is kept."""
-    restored = []
-    for run_id in sorted(run_ids):
+    geometry and done.json the control reads). needs: run id -> its baseline's run id; a run already
+    recorded needs nothing. Returns the folders restored; a finished folder is kept."""
+    restored, have = [], recorded_runs(results)
+    for run_id in sorted({base for run, base in needs.items() if run not in have}):
         folder, record = Path(runs) / run_id, Path(results) / RECORDS_DIR / run_id
         if RunDir(folder).is_done() or not (record / "done.json").is_file():
             continue

@@ -310,9 +310,10 @@ def test_a_baseline_recorded_in_an_earlier_sitting_is_restored_for_its_arms(tmp_
     train(tiny_config(train={"steps": 12}), runs / "none0", progress=False)
     write_record(runs / "none0", study / "runs")
     shutil.rmtree(runs / "none0")  # a new sitting: run folders are not kept
-    assert restore_baselines(runs, study, {"none0", "never-recorded"}) == [runs / "none0"]
+    needs = {"arm0": "none0", "arm1": "never-recorded", "none0-twin": "none0"}
+    assert restore_baselines(runs, study, needs) == [runs / "none0"]
     assert RunDir(runs / "none0").is_done()
     pd.testing.assert_frame_equal(
         RunDir(runs / "none0").read_geometry(), RunDir(study / "runs" / "none0").read_geometry()
     )
-    assert restore_baselines(runs, study, {"none0"}) == []  # a finished folder is kept
+    assert restore_baselines(runs, study, {"arm0": "none0"}) == []  # a finished folder is kept
