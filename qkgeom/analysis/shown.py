@@ -57,7 +57,8 @@ def shown(path: Path, geometry: pd.DataFrame, per_run: pd.DataFrame) -> Shown:
         rows = base[base["run_id"] == out.spectral_run]
         out.energy_ranks = spectral.energy_ranks(rows).assign(run_id=out.spectral_run)
         out.lifecycle = spectral.lifecycle(rows)
-        out.lifecycle_depth = spectral.lifecycle_depth(base, A.transient_ends(base).to_dict())
+        starts = base.groupby("run_id")["transient_end"].first().to_dict()  # as analyze detected them
+        out.lifecycle_depth = spectral.lifecycle_depth(base, starts)
     if len(runs) == 1:
         start = int(geometry["transient_end"].iloc[0])
         n_post = geometry.loc[geometry["step"] >= start, "step"].nunique()
