@@ -12,8 +12,9 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.claims import SLOPE_CLAIMS, _finish, seed_row
+from qkgeom.analysis.claims import _finish, seed_row
 from qkgeom.analysis.primary import error_control_p, readable
+from qkgeom.analysis.robustness import pooled_primaries
 
 TABLE = "per_layer"  # per_layer.csv beside claims.csv
 
@@ -38,24 +39,23 @@ def layer_rows(
     return out.assign(p_holm_layers=stats.holm(np.array(p, float)))
 
 
-def slope_layer_rows(per_run: pd.DataFrame, primary: list[dict], margin: float = np.nan) -> pd.DataFrame:
-    """Per-layer rows of the registered primaries that are pooled slope claims (SLOPE_CLAIMS, group
-    `all`), from per_run_statistics rows of the claim's window: per seed, the mean over its runs at
-    that layer (a study of several depths keys its layers by depth)."""
+def slope_layer_rows(per_run: pd.DataFrame, claims: pd.DataFrame, margin: float = np.nan) -> pd.DataFrame:
+    """Per-layer rows of the study's pooled slope primaries (robustness.pooled_primaries of the claims
+    table adjust_primary marked), from per_run_statistics rows of their post-transient window: per
+    seed, the mean over its runs at that layer (a study of several depths keys its layers by depth)."""
     parts = []
     depths = per_run["n_layers"].nunique() if len(per_run) else 0
-    for spec in primary:
-        for metric, claim, sign in SLOPE_CLAIMS:
-            if not claim.startswith(spec["claim"]) or spec.get("group", "all") != "all":
-                continue
-            per_seed = {
-                (f"layer {layer}" if depths == 1 else f"depth {depth} layer {layer}"): g.groupby("seed")[
-                    f"slope:{metric}"
-                ].mean()
-                for (depth, layer), g in per_run.groupby(["n_layers", "layer"])
-            }
-            window = spec.get("window", "post-transient")
-            parts.append(layer_rows(spec["id"], claim, per_seed, sign=sign, window=window, margin=margin))
+    for r, kind in pooled_primaries(claims):
+        if kind[0] != "slope":
+            continue
+        _, metric, sign = kind
+        per_seed = {
+            (f"layer {layer}" if depths == 1 else f"depth {depth} layer {layer}"): g.groupby("seed")[
+                f"slope:{metric}"
+            ].mean()
+            for (depth, layer), g in per_run.groupby(["n_layers", "layer"])
+        }
+        parts.append(layer_rows(r.primary, r.claim, per_seed, sign=sign, window=r.window, margin=margin))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 

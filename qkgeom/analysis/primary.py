@@ -27,11 +27,16 @@ def primary_mask(claims: pd.DataFrame, primary: list[dict]) -> pd.Series:
 JUDGED = ("holds", "fails", "inconclusive")  # a row read by its own test; anything else is unreadable
 
 
+def plain_verdict(verdict: object) -> str:
+    """A verdict without its n-aware qualifier: `holds (parametric only)` -> `holds`."""
+    return str(verdict).removesuffix(PARAMETRIC_ONLY)
+
+
 def readable(verdict: object) -> bool:
     """Whether a row's verdict reads its outcome (holds / fails / inconclusive, n-aware or not). A row
     whose manipulation or scale check failed (`scale not matched (...)`, `manipulation failed`) says
     nothing about its claim and enters no Holm family."""
-    return str(verdict).removesuffix(PARAMETRIC_ONLY) in JUDGED
+    return plain_verdict(verdict) in JUDGED
 
 
 def error_control_p(p_value: object, p_sign_flip: object) -> float:

@@ -14,7 +14,8 @@ import pandas as pd
 
 from qkgeom.analysis import claims as A
 from qkgeom.analysis import stats
-from qkgeom.analysis.claims import PARAMETRIC_ONLY, seed_row
+from qkgeom.analysis.claims import seed_row
+from qkgeom.analysis.primary import plain_verdict
 from qkgeom.analysis.runs import AnalysisError
 
 TABLE = "robustness"  # robustness.csv beside claims.csv
@@ -30,10 +31,6 @@ def registered(analysis: dict, known: Iterable[str]) -> list[str]:
     return names
 
 
-def _base(verdict: object) -> str:
-    return str(verdict).removesuffix(PARAMETRIC_ONLY)
-
-
 def variant_table(primary: dict[str, pd.Series], variants: Iterable[tuple[str, dict[str, pd.Series]]]) -> pd.DataFrame:
     """One row per (primary id, variant): the variant's estimate, interval, n, p, sign-flip p and
     verdict, and whether the verdict is the registered one's (`same`; `(parametric only)` ignored)."""
@@ -43,7 +40,7 @@ def variant_table(primary: dict[str, pd.Series], variants: Iterable[tuple[str, d
             rows.append({
                 "primary": cid, "variant": name, "value": r["value"], "ci_low": r["ci_low"], "ci_high": r["ci_high"],
                 "n": r["n"], "p_value": r["p_value"], "p_sign_flip": r.get("p_sign_flip"), "verdict": r["verdict"],
-                "same": _base(r["verdict"]) == _base(primary[cid]["verdict"]),
+                "same": plain_verdict(r["verdict"]) == plain_verdict(primary[cid]["verdict"]),
             })  # fmt: skip
     return pd.DataFrame(rows, columns=COLUMNS).sort_values(["primary"], kind="stable").reset_index(drop=True)
 
@@ -69,14 +66,14 @@ def reading(table: pd.DataFrame, cid: str) -> str:
 MAIN_VARIANTS = ("axis: log step", "window: later start", "leave one seed out")
 
 
-def _kind(claim: str) -> tuple | None:
-    for metric, text, sign in A.SLOPE_CLAIMS:
-        if claim == text:
-            return ("slope", metric, sign)
-    for x, y, text, sign in A.CORRELATION_CLAIMS:
-        if claim == text + A.CO_MOVEMENT:
-            return ("comovement", x, y, sign)
-    return None
+def pooled_primaries(claims: pd.DataFrame) -> list[tuple[tuple, tuple]]:
+    """A main study's pooled primary rows (group `all`, post-transient) whose claim is a slope or a
+    co-movement, each with what it measures: ("slope", metric, sign) or ("comovement", x, y, sign),
+    found by the claim's exact wording in claims.SLOPE_CLAIMS / CORRELATION_CLAIMS."""
+    kinds = {text: ("slope", metric, sign) for metric, text, sign in A.SLOPE_CLAIMS}
+    kinds |= {text + A.CO_MOVEMENT: ("comovement", x, y, sign) for x, y, text, sign in A.CORRELATION_CLAIMS}
+    rows = claims[(claims["primary"] != "") & (claims["group"] == "all") & (claims["window"] == "post-transient")]
+    return [(r, kinds[r.claim]) for r in rows.itertuples(index=False) if r.claim in kinds]
 
 
 def _per_seed(w: pd.DataFrame, kind: tuple, axis: str = "progress") -> np.ndarray:
@@ -106,11 +103,7 @@ def main_variants(
     families, found, variants = set(families), {}, []
     post = A.window(base, "post-transient")
     later = base[base["step"] >= np.maximum(base["transient_end"], base["steps"] / 2)]
-    rows = claims[(claims["primary"] != "") & (claims["group"] == "all") & (claims["window"] == "post-transient")]
-    for r in rows.itertuples(index=False):
-        kind = _kind(r.claim)
-        if kind is None:
-            continue
+    for r, kind in pooled_primaries(claims):
         found[r.primary] = pd.Series(r._asdict())
         if not np.isclose(np.mean(_per_seed(post, kind)), r.value, rtol=1e-9, atol=1e-12):
             raise AnalysisError(f"robustness: primary {r.primary} does not recompute to its value {r.value}")

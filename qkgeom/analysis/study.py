@@ -107,7 +107,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     if blind:  # no claims.csv or verdicts.csv until the registered n is in: the checks go to their own table
         written = {"summary": traj, INTERIM_CHECKS: claims}
     per_run = A.per_run_statistics(A.window(base if len(base) else geometry, "post-transient"))
-    by_layer = layers.slope_layer_rows(per_run, pre.get("primary", []), float(pre.get("margin", np.nan)))
+    by_layer = layers.slope_layer_rows(per_run, claims, float(pre.get("margin", np.nan)))
     if len(by_layer) and not blind:  # a pooled slope primary's per-layer rows (analysis.layers)
         written[layers.TABLE] = by_layer
     for name, df in written.items():
