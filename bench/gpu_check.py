@@ -33,10 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cadence  # noqa: E402
 from common import require_wikitext  # noqa: E402
 from paper_gpu import measuring_overrides  # noqa: E402
-from probe_split import probe_parts  # noqa: E402
+from probe_split import probe_parts, seconds_per_probe  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
-from qkgeom.probing.probe import probe_gpt  # noqa: E402
 from qkgeom.training.loop import make_optimizer  # noqa: E402
 from qkgeom.training.model import GPT  # noqa: E402
 
@@ -114,22 +113,6 @@ def nanogpt(folder: Path, cfg: C.RunConfig, compiled: bool):
     return model, step
 
 
-def seconds_per_probe(cfg: C.RunConfig, reps: int = 3) -> float:
-    """One probe of our GPT at cfg's shape on its probe batch (the median of `reps`, after a warm-up)."""
-    dev = cfg.train.device
-    model = GPT(cfg.model, 284).to(dev).eval()
-    idx = torch.randint(0, 284, (C.probe_n_seqs(cfg), cfg.model.n_ctx), device=dev)
-    probe_gpt(model, idx, cfg.probe.logit_max_seqs or None)
-    times = []
-    for _ in range(reps):
-        sync(dev)
-        tic = time.perf_counter()
-        probe_gpt(model, idx, cfg.probe.logit_max_seqs or None)
-        sync(dev)
-        times.append(time.perf_counter() - tic)
-    return sorted(times)[len(times) // 2]
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -163,13 +146,13 @@ def main() -> None:
     if args.quick:
         shapes["GPT-2-small width"] = C.load("paper", [f"train.device='{dev}'", *GPT2_SMALL[:1], "model.n_layers=2"])
     for label, cfg in shapes.items():
-        probe_s = seconds_per_probe(cfg)
+        model = GPT(cfg.model, 284).to(dev).eval()  # one model and probe batch for the whole probe and its parts
+        idx = torch.randint(0, 284, (C.probe_n_seqs(cfg), cfg.model.n_ctx), device=dev)
+        probe_s = seconds_per_probe(model, idx, cfg.probe.logit_max_seqs, dev)
         _, step = ours(cfg, False)
         rate = bare_step_rate(cfg, step, 5 if args.quick else 20)
         ten = 10 * cfg.train.batch_size * cfg.model.n_ctx / rate
         rows.append((f"{label}: one probe", f"{probe_s:.3f} s (10 bare steps: {ten:.3f} s; {probe_s / ten:.2f}x)"))
-        model = GPT(cfg.model, 284).to(dev).eval()
-        idx = torch.randint(0, 284, (C.probe_n_seqs(cfg), cfg.model.n_ctx), device=dev)
         probe_parts(model, idx, cfg.probe.logit_max_seqs, dev)  # warm-up
         split = probe_parts(model, idx, cfg.probe.logit_max_seqs, dev)
         rows.append((f"{label}: probe split", ", ".join(f"{k} {v:.3f} s" for k, v in split.items())))

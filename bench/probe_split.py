@@ -39,11 +39,11 @@ def _sync(device: str) -> None:
 
 def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
     """Seconds of each part of one probe_gpt call on `model` and probe batch `idx` (logit spectra of the
-    first `cap` sequences), in the order probe_gpt runs them (the module docstring names the parts)."""
+    first `cap` sequences, 0: all), in the order probe_gpt runs them (the module docstring names the parts)."""
     import pandas as pd
 
     from qkgeom.probing import probe as P
-    from qkgeom.probing.geometry import power_law_alphas
+    from qkgeom.probing.alpha import power_law_alphas
 
     conv = P.DEFAULT_CONVENTIONS
     t: dict[str, float] = {}
@@ -59,7 +59,7 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
     with torch.no_grad():
         snap = P.gpt_snapshot(model, idx)
         t0 = tick("forward", t0)
-        acc = P.GeometryAccumulator(logit_max_seqs=cap, conventions=conv)
+        acc = P.GeometryAccumulator(logit_max_seqs=cap or None, conventions=conv)
         mask = snap.token_mask
         for i, (q, k, pat) in enumerate(zip(snap.q, snap.k, snap.pattern, strict=True)):
             B, _, T, _ = q.shape
@@ -89,6 +89,22 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
     return t
 
 
+def seconds_per_probe(model, idx, cap: int, device: str, reps: int = 3) -> float:
+    """One whole probe_gpt call on `model` and `idx` (logit spectra of the first `cap` sequences, 0: all),
+    called as the training loop calls it (outside no_grad): the median of `reps` after a warm-up."""
+    from qkgeom.probing.probe import probe_gpt
+
+    def once() -> float:
+        _sync(device)
+        t0 = time.perf_counter()
+        probe_gpt(model, idx, cap or None)
+        _sync(device)
+        return time.perf_counter() - t0
+
+    once()
+    return statistics.median(once() for _ in range(reps))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--width", type=int, default=768)
@@ -104,7 +120,6 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(args.threads)
 
     from qkgeom import config as C
-    from qkgeom.probing import probe as P
     from qkgeom.training.model import GPT
 
     cfg = C.load("paper", [f"model.d_model={args.width}", f"model.n_layers={args.layers}",
@@ -113,16 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     model = GPT(cfg.model, vocab_size=284).to(args.device).eval()
     idx = torch.randint(0, 284, (n_seqs, args.ctx), device=args.device)
-    conv = P.DEFAULT_CONVENTIONS
     cap = cfg.probe.logit_max_seqs
-
-    def whole() -> float:
-        _sync(args.device)
-        t0 = time.perf_counter()
-        with torch.no_grad():
-            P.probe_gpt(model, idx, logit_max_seqs=cap, conventions=conv)
-        _sync(args.device)
-        return time.perf_counter() - t0
 
     def bare_step() -> float:
         train_model = GPT(cfg.model, vocab_size=284).to(args.device).train()
@@ -144,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     reps = [probe_parts(model, idx, cap, args.device) for _ in range(args.reps)]
     med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
     total = sum(med.values())
-    probe = statistics.median(whole() for _ in range(args.reps))
+    probe = seconds_per_probe(model, idx, cap, args.device, args.reps)
     step = bare_step()
     print(
         f"probe at d_model {args.width}, {args.layers} layers x {args.heads} heads, context {args.ctx}, "
