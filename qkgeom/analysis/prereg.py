@@ -97,6 +97,16 @@ def digest(path: str | Path, analysis: dict | None = None) -> dict[str, str]:
     return out
 
 
+def _what(key: str) -> str:
+    """A digest key by what it is, not where it was read: a pinned study's first sitting writes its
+    manifest, and the same [analysis] table then reads from sweep.json, not from the study file."""
+    return "[analysis]" if key.endswith(" [analysis]") else key
+
+
+def _canon(d: dict[str, str]) -> dict[str, str]:
+    return {_what(k): v for k, v in d.items()}
+
+
 def registered_versions(path: str | Path) -> list[dict]:
     """The registered versions of a study's pre-registration (oldest first); [] where never amended."""
     f = Path(path) / VERSIONS
@@ -117,7 +127,7 @@ def register_version(path: str | Path, note: str, sweep: str | Path | None = Non
                     for i, d in enumerate(sorted(judged))]  # fmt: skip
     table = _edited_study_analysis(path, versions[-1]["digest"] if versions else {}, sweep)
     now = digest(path, table)
-    if any(v["digest"] == now for v in versions):
+    if any(_canon(v["digest"]) == _canon(now) for v in versions):
         raise RecordError(f"{path}: the current pre-registration is already registered (nothing changed)")
     if table is not None:  # the manifest takes the edited study file's [analysis]: registered, so written
         write_json(path / SWEEP_MANIFEST, {**read_json(path / SWEEP_MANIFEST), "analysis": table})
@@ -155,7 +165,7 @@ def write_pin(path: str | Path) -> dict:
     return pin
 
 
-def _check_pin(path: Path) -> None:
+def _check_pin(path: Path, analysis: dict | None = None) -> None:
     """A study without records: refused if its claims.csv or its pre-registration changed since it was
     pinned (unless registered as a new version), or if it has primaries and no pin at all."""
     f, claims = path / PIN, path / "claims.csv"
@@ -167,7 +177,7 @@ def _check_pin(path: Path) -> None:
     pin = read_json(f)
     if claims.is_file() and _sha(claims.read_bytes()) != pin.get("claims.csv"):
         raise RecordError(f"{path}: claims.csv changed after the study was pinned ({PIN}); restore it from git")
-    _check_against(path, {PIN: pin["digest"]})
+    _check_against(path, {PIN: pin["digest"]}, analysis)
 
 
 def _record_digests(path: Path) -> dict[str, dict]:
@@ -233,17 +243,19 @@ def _check_digests(path: Path, analysis: dict | None = None) -> None:
 def _check_against(path: Path, stamps: dict[str, dict], analysis: dict | None = None) -> None:
     """Refuse where a stamp (record or pin -> the digest it was judged under) is neither the current
     pre-registration nor, once the current one is registered, any registered version."""
-    now = digest(path, analysis)
+    raw = digest(path, analysis)
+    now, name = _canon(raw), {_what(k): k for k in raw}
     allowed = [now]
     versions = registered_versions(path)
-    if versions and versions[-1]["digest"] == now:
-        allowed = [v["digest"] for v in versions]
+    if versions and _canon(versions[-1]["digest"]) == now:
+        allowed = [_canon(v["digest"]) for v in versions]
     for rid, judged in stamps.items():
+        judged = _canon(judged)
         if judged in allowed:
             continue
         changed = sorted(k for k in {*judged, *now} if judged.get(k) != now.get(k))
         raise RecordError(
-            f"{path}: the pre-registration ({', '.join(changed)}) changed after its records were written "
+            f"{path}: the pre-registration ({', '.join(name.get(k, k) for k in changed)}) changed after its records were written "
             f"(record {rid} was judged under {judged.get(changed[0], 'none')[:12]}, now "
             f"{now.get(changed[0], 'none')[:12]}); restore it, or register the change as a new version "
             f"(qkgeom amend {path} --note ...)"
@@ -289,7 +301,7 @@ def check_records(path: str | Path, analysis: dict | None = None) -> None:
     analysis: check against the [analysis] a sitting is about to write, before anything is written."""
     path = Path(path)
     if not record_folders(path):
-        _check_pin(path)
+        _check_pin(path, analysis)
         return
     _check_identity(path)  # the most specific message first (a copied folder, a short run, a twin)
     _check_seals(path)

@@ -298,6 +298,28 @@ def test_a_study_without_records_is_pinned(tmp_path, capsys, monkeypatch):
     assert "is not pinned" in capsys.readouterr().err
 
 
+def test_a_pinned_study_amended_to_take_records_accepts_its_own_manifest(tmp_path, monkeypatch):
+    """causal-cpu's re-run (issue 56): pinned, amended to name its records folder (version 2), its first
+    sitting wrote sweep.json into that folder, and the second sitting was refused: the same [analysis]
+    table, read from the manifest, had another digest key than the registered version's. The key now
+    says what the table is, not where it was read; a manifest with another table is still refused."""
+    from qkgeom import config as C
+    from qkgeom.analysis.prereg import RecordError, check_records
+    from qkgeom.training.sweep import expand, load_sweep, write_manifest
+
+    study = tmp_path / "study-causal-cpu"
+    shutil.copytree(RESULTS / "study-causal-cpu", study)
+    spec = load_sweep(C.CONFIG_DIR / "study-causal-cpu.toml", [])
+    assert spec.analysis["records"] == "docs/results/study-causal-cpu"
+    check_records(study, spec.analysis)  # the sitting's check before it writes its manifest
+    write_manifest(spec, expand(spec), study)
+    check_records(study, spec.analysis)  # the next sitting (refused before the fix)
+    check_records(study)
+    edited = {**spec.analysis, "margin": 0.3}
+    with pytest.raises(RecordError, match=r"sweep\.json \[analysis\].*changed after its records"):
+        check_records(study, edited)
+
+
 @pytest.mark.usefixtures("wikitext")
 def test_a_baseline_recorded_in_an_earlier_sitting_is_restored_for_its_arms(tmp_path):
     """causal-v4's seed 5: its none run was recorded in one session, two of its arms were left for the
