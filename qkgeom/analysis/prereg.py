@@ -254,8 +254,9 @@ def _check_against(path: Path, stamps: dict[str, dict], analysis: dict | None = 
         if judged in allowed:
             continue
         changed = sorted(k for k in {*judged, *now} if judged.get(k) != now.get(k))
+        what = ", ".join(name.get(k, k) for k in changed)
         raise RecordError(
-            f"{path}: the pre-registration ({', '.join(name.get(k, k) for k in changed)}) changed after its records were written "
+            f"{path}: the pre-registration ({what}) changed after its records were written "
             f"(record {rid} was judged under {judged.get(changed[0], 'none')[:12]}, now "
             f"{now.get(changed[0], 'none')[:12]}); restore it, or register the change as a new version "
             f"(qkgeom amend {path} --note ...)"
