@@ -23,63 +23,27 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.claims import _finish, claim_row, layer_metric, seed_row, transient_ends, window
+from qkgeom.analysis.arms import (  # noqa: F401 (the arm vocabulary, read by the report as causal.TARGET, ...)
+    CHECK_MEDIATOR,
+    LABEL,
+    MATCHED_ARM,
+    MEDIATORS,
+    PREDICTED_SIGN,
+    SCALE_MARGIN,
+    TARGET,
+    arm_signs,
+    claim_id,
+    control_rows,
+    is_matched,
+    parse_arm,
+)
+from qkgeom.analysis.claims import layer_metric, transient_ends, window
+from qkgeom.analysis.rows import claim_row, rows_table, seed_row
 from qkgeom.analysis.runs import INSTANT_METRIC
 
-# Pre-registered directions (configs/study-intervention-*.toml, study-causal-cpu.toml): each arm's
-# intended effect on its mediator and predicted effect on attention entropy, by kind.
-PREDICTED_SIGN = {"contract": -1, "expand": +1, "hold": +1}
-# The activation-side mediator a manipulation must move before its outcome is read: the key
-# activations for a control on W_K, the logit (Q K^T) spectrum for a control on W_Q W_K^T.
-# The causal v3 kinds (study-causal-shape-cpu) steer the key activations' PR (`activation`) or the
-# input-weighted logit scale (`logit`) directly.
-CHECK_MEDIATOR = {
-    "key": "key_participation_ratio",
-    "interaction": "logit_participation_ratio",
-    "activation": "key_participation_ratio",
-    "logit": "input_logit_scale",
-}
-MEDIATORS = (
-    ("key_weight_participation_ratio", "weight PR_K"),
-    ("key_participation_ratio", "activation PR_K"),
-    ("interaction_rank", "interaction rank"),
-    ("logit_participation_ratio", "logit-spectrum PR"),
-    ("input_logit_scale", "input logit scale"),
-    ("logit_row_std", "per-row logit std"),
-    ("logit_row_std_cv", "CV of per-query logit std (the Jensen channel)"),
-)
-LABEL = dict(MEDIATORS)
-TARGET = {"key": "W_K", "interaction": "W_Q W_K^T", "activation": "the key activations' PR (shape)"}
-# a matched-scale arm's per-row logit std must lie within +-5% of none's (TOST, 90% interval of the
-# per-seed log ratio) before its outcome is read
-SCALE_MARGIN = float(np.log(1.05))
 SHAPE_DOSE_CLAIM = "dose-response at matched logit scale: slope of attention entropy on log activation PR_K"
 
 DOSE_CLAIM = "dose-response: slope of attention entropy on log activation PR_K"  # the pre-registered name
-MATCHED_ARM = "hold:key"
-
-
-def parse_arm(arm: str) -> tuple[str, str, float]:
-    """`contract:key:0.6` -> (contract, key, 0.6); `hold:key` -> (hold, key, 1.0); `none` -> (none, key, 1.0);
-    a `:matched` suffix (matched logit scale) is dropped: is_matched() reads it."""
-    parts = [p for p in arm.split(":") if p not in ("matched", "closed")]
-    return parts[0], parts[1] if len(parts) > 1 else "key", float(parts[2]) if len(parts) > 2 else 1.0
-
-
-def arm_signs(arm: str) -> tuple[int, int, str]:
-    """(intended sign of the arm's move on its check mediator, predicted sign of its effect on attention
-    entropy, the check mediator). A lower temperature (ratio < 1) lowers the logit scale and raises
-    entropy; the other kinds move both the same way."""
-    kind, on, ratio = parse_arm(arm)
-    if kind in ("shape", "temperature"):
-        s = 1 if ratio > 1 else -1
-        return s, (s if kind == "shape" else -s), CHECK_MEDIATOR[on]
-    return PREDICTED_SIGN[kind], PREDICTED_SIGN[kind], CHECK_MEDIATOR[on]
-
-
-def is_matched(arm: str) -> bool:
-    """Whether the arm ran at matched logit scale (intervention.match_scale, or match_row_std: `:closed`)."""
-    return arm.endswith((":matched", ":closed"))
 
 
 def with_seed_window(df: pd.DataFrame) -> pd.DataFrame:
@@ -106,12 +70,18 @@ def _paired(values: pd.Series, arm: str) -> pd.Series:
     return (wide[arm] - wide["none"]).dropna()
 
 
-def _verdict_row(v: np.ndarray, *, claim: str, group: str, window: str, sign: int | None, note: str, **kw) -> dict:
+def _verdict_row(
+    v: np.ndarray, *, claim: str, claim_id: str, group: str, window: str, sign: int | None, note: str, **kw
+) -> dict:
     """mean, 95% t-interval over seeds, mde_80 and (with a predicted sign) the verdict."""
-    return seed_row(v, study="intervention", claim=claim, group=group, window=window, sign=sign, note=note, **kw)
+    return seed_row(
+        v, study="intervention", claim=claim, claim_id=claim_id, group=group, window=window, sign=sign, note=note, **kw
+    )
 
 
-def _direction_row(diffs: pd.Series, claim: str, group: str, win: str, sign: int | None, note: str, verdict=None):
+def _direction_row(
+    diffs: pd.Series, claim: str, cid: str, group: str, win: str, sign: int | None, note: str, verdict=None
+):
     """One claims row for paired differences: mean, t-interval, sign test, PD, mde_80, verdict."""
     if diffs.empty:
         return []
@@ -123,7 +93,8 @@ def _direction_row(diffs: pd.Series, claim: str, group: str, win: str, sign: int
         pd_ = stats.probability_of_direction(v, sign)
         detail = f"sign test p = {p:.3g}; probability of direction {pd_:.3f}; {detail}"
         extra = dict(p_value=p) | (dict(verdict=verdict) if verdict else {})
-    row = _verdict_row(v, claim=claim, group=group, window=win, sign=sign, note=note, detail=detail, **extra)
+    row = _verdict_row(v, claim=claim, claim_id=cid, group=group, window=win, sign=sign, note=note, detail=detail,
+                       **extra)  # fmt: skip
     row["interval"] = "95% t over seeds (paired)"
     return [row]
 
@@ -218,6 +189,7 @@ def causal_estimates(df: pd.DataFrame, note: str, unread: set[str] = frozenset()
                 _verdict_row(
                     v,
                     claim=name,
+                    claim_id=f"dose_response:{on}",
                     group=group,
                     window="post-transient",
                     sign=+1,
@@ -230,6 +202,7 @@ def causal_estimates(df: pd.DataFrame, note: str, unread: set[str] = frozenset()
             _verdict_row(
                 rf,
                 claim=f"reduced form: attention entropy per unit assigned log ratio of {TARGET[on]}",
+                claim_id=f"reduced_form:{on}",
                 group=group,
                 window="post-transient",
                 sign=+1,
@@ -240,6 +213,7 @@ def causal_estimates(df: pd.DataFrame, note: str, unread: set[str] = frozenset()
         first = _verdict_row(
             fs,
             claim=f"first stage: log {label} per unit assigned log ratio of {TARGET[on]}",
+            claim_id=f"first_stage:{on}",
             group=group,
             window="post-transient",
             sign=+1,
@@ -251,6 +225,7 @@ def causal_estimates(df: pd.DataFrame, note: str, unread: set[str] = frozenset()
             _fieller_row(
                 rf, fs, +1, note,
                 claim=f"IV: attention entropy per unit log {label} (reduced form / first stage)",
+                claim_id=f"iv:{on}",
                 group=group,
                 seeds_agreeing=f"{int(np.sum(np.sign(rf) == np.sign(fs)))}/{len(rf)}",
                 mde_80=stats.mde(rf) / abs(fs.mean()) if fs.mean() else np.nan,
@@ -259,7 +234,7 @@ def causal_estimates(df: pd.DataFrame, note: str, unread: set[str] = frozenset()
         )  # fmt: skip
         if blocked:  # read only at matched scale: the target's rows keep their numbers, not their verdicts
             for r in rows:
-                if r["group"] == group and r.get("predicted") and not r["claim"].startswith("first stage"):
+                if r["group"] == group and r.get("predicted") and not r["claim_id"].startswith("first_stage:"):
                     r["verdict"] = f"scale not matched ({', '.join(blocked)})"
     return rows
 
@@ -287,6 +262,7 @@ def _delivered_dose_row(df: pd.DataFrame, arm: str, metric: str, note: str) -> l
     r = _direction_row(
         _log_paired(df, metric, arm),
         f"{arm} - none: delivered dose, log {LABEL[metric]} ratio (assigned {assigned:+.3f})",
+        claim_id(arm, "none", f"delivered_dose:{metric}"),
         "mean over layers",
         "post-transient",
         None,
@@ -303,8 +279,8 @@ def _scale_check_row(df: pd.DataFrame, arm: str, note: str) -> list[dict]:
         return []
     lo, hi, ok = stats.tost(v.to_numpy(), SCALE_MARGIN)
     row = _direction_row(
-        v, f"{arm} - none: scale check, log per-row logit std (TOST +-5%)", "mean over layers", "post-transient",
-        None, note,
+        v, f"{arm} - none: scale check, log per-row logit std (TOST +-5%)",
+        claim_id(arm, "none", "scale_check:logit_row_std"), "mean over layers", "post-transient", None, note,
     )[0]  # fmt: skip
     row.update(
         verdict="scale matched" if ok else "scale not matched",
@@ -328,6 +304,7 @@ def temperature_rows(df: pd.DataFrame, note: str) -> list[dict]:
             _fieller_row(
                 both["ent"].to_numpy(), both["dose"].to_numpy(), -1, note,
                 claim=f"{arm}: attention entropy per unit delivered log logit factor (the scale path)",
+                claim_id=claim_id(arm, "none", "entropy_per_log_logit_factor"),
                 group="mean over layers",
                 detail=f"entropy diffs {np.round(both['ent'].to_numpy(), 4).tolist()}; "
                 f"delivered log factors {np.round(both['dose'].to_numpy(), 4).tolist()}",
@@ -350,13 +327,13 @@ def instant_rows(df: pd.DataFrame, note: str) -> list[dict]:
         change = g.groupby("seed")["value"].mean()
         rows += _direction_row(
             change, f"{arm}: instantaneous entropy change of its map on none weights (no training)",
-            "mean over layers", "post-transient", None, note,
+            claim_id(arm, "none", "instant_entropy_change"), "mean over layers", "post-transient", None, note,
         )  # fmt: skip
         trained = _paired(trained_all, arm)
         learned = (trained - change).dropna()
         rows += _direction_row(
             learned, f"{arm} - none: learned effect (trained - instantaneous), attention entropy (nats)",
-            "mean over layers", "post-transient", None, note,
+            claim_id(arm, "none", "learned_entropy_effect"), "mean over layers", "post-transient", None, note,
         )  # fmt: skip
     return rows
 
@@ -416,6 +393,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
             r = _direction_row(
                 _paired(arm_means(df, metric), arm),
                 f"{arm} - none: manipulation check, {label}",
+                claim_id(arm, "none", f"{'manipulation_check' if metric == check else 'mediator'}:{metric}"),
                 "mean over layers",
                 "post-transient",
                 med_sign,
@@ -437,6 +415,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
         rows += _direction_row(
             _paired(arm_means(df, "logit_spectral_norm"), arm),
             f"{arm} - none: logit spectral norm",
+            claim_id(arm, "none", "logit_spectral_norm"),
             "mean over layers",
             "post-transient",
             None,
@@ -446,6 +425,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
             rows += _direction_row(
                 _paired(arm_means(df, "attention_entropy", win), arm),
                 f"{arm} - none: attention entropy (nats)",
+                claim_id(arm, "none", "attention_entropy"),
                 "mean over layers",
                 win,
                 sign,
@@ -456,6 +436,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
                 rows += _direction_row(
                     _paired(g.groupby(["intervention", "seed"])["value"].mean(), arm),
                     f"{arm} - none: attention entropy (nats)",
+                    claim_id(arm, "none", "attention_entropy"),
                     f"layer={layer}",
                     win,
                     sign,
@@ -464,8 +445,9 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
         val = metrics[metrics["split"] == "valid"]
         val = val[val["step"] == val["steps"]].groupby(["intervention", "seed"])["loss"].mean()
         rows += _direction_row(
-            _paired(val, arm), f"{arm} - none: validation loss (nats/char)", "final", "final", None, note
-        )
+            _paired(val, arm), f"{arm} - none: validation loss (nats/char)",
+            claim_id(arm, "none", "final_validation_loss"), "final", "final", None, note,
+        )  # fmt: skip
     rows += causal_estimates(df, note, unread)
     rows += temperature_rows(df, note)
     rows += instant_rows(df, note)
@@ -474,50 +456,14 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
         rows += _direction_row(
             m,
             f"{MATCHED_ARM} - none at matched validation loss: attention entropy (nats)",
+            claim_id(MATCHED_ARM, "none", "attention_entropy:loss_matched"),
             "mean over layers",
             "post-transient, loss-matched",
             +1,
             note,
         )
     rows += control_rows(df)
-    return _finish(rows)
-
-
-def control_rows(df: pd.DataFrame) -> list[dict]:
-    """How the achieved spectrum met its target, per condition: for hold and two-sided controls the
-    max relative error; for one-sided ceilings / floors the largest violation past the target."""
-    rows = []
-    for metric in ("key_weight_participation_ratio", "interaction_rank"):
-        target = df[df["metric"] == f"{metric}_target"]
-        if target.empty:
-            continue
-        achieved = df[(df["metric"] == metric) & (df["head"] >= 0)]
-        keys = ["run_id", "step", "layer", "head"]
-        both = target.merge(achieved, on=keys, suffixes=("_target", ""))
-        both = both[both["step"] > 0]
-        for arm, g in both.groupby("intervention_target"):
-            kind = arm.split(":")[0]
-            rel = (g["value"] - g["value_target"]) / g["value_target"]
-            if kind == "contract":
-                err, what = rel.clip(lower=0).max(), "largest excess above the ceiling"
-            elif kind == "expand":
-                err, what = (-rel).clip(lower=0).max(), "largest shortfall below the floor"
-            else:
-                err, what = rel.abs().max(), "max relative error"
-            active = float((rel.abs() < 1e-6).mean())
-            rows.append(
-                claim_row(
-                    study="intervention",
-                    claim=f"{arm}: achieved {metric} vs target",
-                    group="all controlled heads",
-                    window="whole",
-                    value=err,
-                    n=len(g),
-                    detail=f"{what} over {g['run_id'].nunique()} runs x probes x heads; "
-                    f"share of probes at the target (control active) {active:.2f}",
-                )
-            )
-    return rows
+    return rows_table(rows)
 
 
 def headline(claims: pd.DataFrame) -> pd.DataFrame:
@@ -526,15 +472,14 @@ def headline(claims: pd.DataFrame) -> pd.DataFrame:
     interval, n, mde_80) and the outcome's verdict; the mediator rows stay in the claims table."""
     c = claims[(claims["study"] == "intervention") & (claims["group"] == "mean over layers")]
     rows = []
-    for arm in sorted({x.split(" - none")[0] for x in c["claim"] if " - none: " in x}):
-        check = c[
-            c["claim"].str.startswith(f"{arm} - none: manipulation check") & c["claim"].str.endswith("(the check)")
-        ]
-        out = c[(c["claim"] == f"{arm} - none: attention entropy (nats)") & (c["window"] == "post-transient")]
+    ids = c["claim_id"].astype(str)
+    for arm in sorted({x.split("-none.")[0] for x in ids if "-none." in x}):
+        check = c[ids.str.startswith(claim_id(arm, "none", "manipulation_check:"))]
+        out = c[(ids == claim_id(arm, "none", "attention_entropy")) & (c["window"] == "post-transient")]
         if check.empty or out.empty:
             continue
         ch, o = check.iloc[0], out.iloc[0]
-        mediator = ch["claim"].split("check, ")[1].removesuffix(" (the check)")
+        mediator = LABEL[ch["claim_id"].rsplit(":", 1)[-1]]
         rows.append(
             {
                 "arm": arm,

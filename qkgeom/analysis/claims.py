@@ -13,6 +13,21 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
+from qkgeom.analysis.rows import (  # noqa: F401 (the row builders are part of analysis' API: A.seed_row, ...)
+    CLAIM_COLUMNS,
+    NUMERIC_COLUMNS,
+    PARAMETRIC_ONLY,
+    apply_margin,
+    claim_row,
+    gauge_invariant,
+    n_aware,
+    numeric_columns,
+    per_seed_text,
+    per_seed_values,
+    reading,
+    rows_table,
+    seed_row,
+)
 from qkgeom.analysis.runs import (  # noqa: F401 (the loaders are part of analysis' API: A.load_runs, ...)
     RUN_COLUMNS,
     AnalysisError,
@@ -24,13 +39,6 @@ from qkgeom.analysis.runs import (  # noqa: F401 (the loaders are part of analys
     run_folders,
 )
 
-CLAIM_COLUMNS = [
-    "study", "claim", "predicted", "group", "window", "value", "ci_low", "ci_high", "n", "seeds_agreeing",
-    "interval", "p_value", "verdict", "mde_80", "window_start", "detail",
-    # what an inconclusive row can say (TOST at a pre-registered margin), the small-n exact test, and
-    # the family-wise adjustment over a study's pre-registered primary rows (analysis.primary.adjust_primary)
-    "ci90_low", "ci90_high", "margin", "reading", "p_sign_flip", "p_floor", "primary", "p_holm",
-]  # fmt: skip
 # Unchanged by W_Q -> W_Q M, W_K -> W_K M^{-T}: attention, scores, W_Q W_K^T and losses. PR_Q, PR_K are not.
 WINDOWS = ("whole", "post-transient")
 TRANSIENT_TOLERANCE = 0.1  # stats.transient_end: the rebound has settled when a probe-to-probe change is <= 10%
@@ -94,28 +102,6 @@ def trajectories(df: pd.DataFrame) -> pd.DataFrame:
     return layer_rows.groupby(keys, as_index=False)["value"].agg(mean="mean", std="std", n="count")
 
 
-def gauge_invariant(claim: str) -> bool:
-    """True if a claim involves only gauge-invariant quantities (no PR_Q / PR_K)."""
-    return "PR_Q" not in claim and "PR_K" not in claim
-
-
-NUMERIC_COLUMNS = ("mde_80", "ci90_low", "ci90_high", "margin", "p_sign_flip", "p_floor", "p_holm")
-
-
-def numeric_columns(out: pd.DataFrame) -> pd.DataFrame:
-    """The claims table's numeric columns as numbers (rows without a verdict have none: NaN, not "")."""
-    for col in NUMERIC_COLUMNS:
-        if col in out:
-            out[col] = pd.to_numeric(out[col], errors="coerce")
-    return out
-
-
-def _finish(rows: list[dict]) -> pd.DataFrame:
-    out = numeric_columns(pd.DataFrame(rows, columns=CLAIM_COLUMNS))
-    out["gauge_invariant"] = out["claim"].map(gauge_invariant)
-    return out
-
-
 # Layer-resolved claims by relative depth (MISSION.md, "Layer resolution"): at cpu scale first-layer
 # keys shrink in every run and last-layer keys rarely, so a pooled slope averages opposite effects.
 LAYER_BANDS = {
@@ -156,42 +142,6 @@ def slope_by_depth(per_run: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["qk_init", "n_layers", "rel", "side", "mean", "low", "high", "n"])
 
 
-PARAMETRIC_ONLY = " (parametric only)"
-
-
-def n_aware(verdict: str, p_floor: float) -> str:
-    """A holds / fails verdict whose n cannot reach p < 0.05 without a distributional assumption (the
-    exact sign-flip floor 2 / 2^n >= 0.05, n <= 5) reads `holds (parametric only)`: it rests on the
-    t-test's normality alone (at n = 4, a skewed per-seed distribution gives the t-interval 82-88%
-    coverage, not 95%)."""
-    try:
-        floor = float(p_floor)
-    except (TypeError, ValueError):
-        return verdict
-    return verdict + PARAMETRIC_ONLY if verdict in ("holds", "fails") and floor >= 0.05 else verdict
-
-
-def claim_row(
-    *,
-    study: str,
-    claim: str,
-    group: str,
-    window: str,
-    value: float,
-    lo: float = np.nan,
-    hi: float = np.nan,
-    n: int = 0,
-    p: float = np.nan,
-    detail: str = "",
-    **extra,
-) -> dict:
-    """One row of the claims table (CLAIM_COLUMNS); fields not given are empty."""
-    row = dict.fromkeys(CLAIM_COLUMNS, "")
-    row.update(study=study, claim=claim, group=group, window=window, value=value, ci_low=lo, ci_high=hi, n=n)
-    row.update(p_value=p, detail=detail, **extra)
-    return row  # fmt: skip
-
-
 # The paper's trajectory claims (MISSION.md): name, per-run statistic, predicted sign.
 SLOPE_CLAIMS = (
     ("query_participation_ratio", "PR_Q grows: slope of PR_Q vs training progress", +1),
@@ -212,6 +162,7 @@ CO_MOVEMENT = ": first-difference r minus its cross-seed surrogate null (co-move
 SPEARMAN_DIFF = ": Spearman of first differences over probe steps (no null; for comparison, not judged)"
 RAW_TREND = ": Spearman over probe steps (raw trend, for comparison; not judged)"
 CONTRAST_CLAIM = "PR_Q - PR_K > 0 at every probe of the window (share of layer trajectories)"
+CONTRAST_ID = "contrast_positive"
 CONTRAST_HOLDS, CONTRAST_FAILS = 0.9, 0.5  # share of trajectories; see docs/GLOSSARY.md, "Verdicts"
 
 
@@ -237,110 +188,17 @@ def per_run_statistics(w: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-def seed_row(
-    v: np.ndarray,
-    *,
-    study: str,
-    claim: str,
-    group: str,
-    window: str,
-    sign: int | None,
-    note: str,
-    margin: float = np.nan,
-    correlation: bool = False,
-    **kw,
-) -> dict:
-    """A claims row over per-seed values `v` (independent units): mean, 95% and 90% t-intervals over
-    seeds, mde_80, the exact sign-flip p with the smallest p n seeds can reach, and (with a predicted
-    sign) the seeds agreeing and the verdict. correlation: `v` are per-seed correlations, averaged
-    through Fisher's z (the interval stays inside (-1, 1)). margin: a pre-registered equivalence
-    margin; an inconclusive row then reads "rules out |effect| >= margin" only if its 90% interval
-    lies inside +-margin (TOST), else "inconclusive, CI [lo, hi]". kw overrides any field."""
-    v = np.asarray(v, float)
-    v = v[np.isfinite(v)]
-    if correlation:
-        value, lo, hi = stats.fisher_z_mean_ci(v)
-        _, lo90, hi90 = stats.fisher_z_mean_ci(v, 0.90)
-        z = np.arctanh(np.clip(v, -0.999999, 0.999999))
-        p, interval = stats.t_test_p(z), "95% t over seeds on Fisher z, back-transformed"
-        equivalent = stats.inside_margin(lo90, hi90, margin)  # TOST on the correlation's own interval
-    else:
-        value = float(np.mean(v)) if len(v) else np.nan
-        lo, hi = stats.t_mean_ci(v)
-        lo90, hi90, equivalent = stats.tost(v, margin)
-        p, interval = stats.t_test_p(v), "95% t over seeds"
-    p_flip, p_floor = stats.sign_flip_p(v)
-    extra = dict(
-        interval=interval, mde_80=stats.mde(v), window_start=note, ci90_low=lo90, ci90_high=hi90,
-        margin=margin, p_sign_flip=p_flip, p_floor=p_floor,
-    )  # fmt: skip
-    if sign is not None:
-        agree = f"{int(np.sum(np.sign(v) == sign))}/{len(v)}"
-        extra |= dict(predicted="+" if sign > 0 else "-", seeds_agreeing=agree, verdict=stats.verdict(lo, hi, sign))
-    extra |= kw
-    extra["reading"] = reading(extra.get("verdict", ""), len(v), lo, hi, margin, equivalent, lo90, hi90)
-    p = extra.pop("p_value", p)
-    return claim_row(
-        study=study, claim=claim, group=group, window=window, value=value, lo=lo, hi=hi, n=len(v), p=p, **extra
-    )
-
-
-def reading(
-    verdict: str, n: int, lo: float, hi: float, margin: float, equivalent: bool, lo90: float, hi90: float
-) -> str:
-    """What a judged row may say beyond its verdict: an inconclusive row rules out |effect| >= margin
-    only when equivalence holds (TOST: the 90% interval inside +-margin, margin pre-registered);
-    otherwise it gives its interval and no more."""
-    if not verdict:
-        return ""
-    if n == 0:
-        return "no seed has enough probes in this window: train longer or probe more often"
-    if verdict != "inconclusive":
-        return ""
-    if equivalent:
-        return f"rules out |effect| >= {_g(margin)} (TOST: 90% CI [{_g(lo90)}, {_g(hi90)}] inside +-{_g(margin)})"
-    return f"inconclusive, CI [{_g(lo)}, {_g(hi)}]" if np.isfinite(lo) else "inconclusive, no interval (n < 2)"
-
-
-def apply_margin(claims: pd.DataFrame, margin: float) -> pd.DataFrame:
-    """A study's pre-registered equivalence margin on every judged row that has none yet: an
-    inconclusive row whose 90% interval lies inside +-margin then reads "rules out |effect| >= margin"
-    (TOST); rows without a 90% interval (Fieller ratios) are left as they are."""
-    if not np.isfinite(margin):
-        return claims
-    out = claims.copy()
-    lo90 = pd.to_numeric(out["ci90_low"], errors="coerce")
-    hi90 = pd.to_numeric(out["ci90_high"], errors="coerce")
-    todo = (
-        out["verdict"].isin(["holds", "fails", "inconclusive"]) & pd.to_numeric(out["margin"], errors="coerce").isna()
-    )
-    todo &= lo90.notna() & hi90.notna()
-    for i in out.index[todo]:
-        r = out.loc[i]
-        equivalent = stats.inside_margin(float(lo90[i]), float(hi90[i]), margin)
-        out.loc[i, "margin"] = margin
-        out.loc[i, "reading"] = reading(
-            r["verdict"], int(r["n"]), float(r["ci_low"]), float(r["ci_high"]), margin, equivalent,
-            float(lo90[i]), float(hi90[i]),
-        )  # fmt: skip
-    return out
-
-
-def _g(x: float) -> str:
-    return f"{x:.3g}"
-
-
 def _seed_rows(
     per_run: pd.DataFrame, column: str, claim: str, sign: int, group: str, win: str, note: str, judged: bool = True
-) -> dict:
+) -> dict:  # claim_id: the per-run statistic's column (slope:<metric>, rho:<x>:<y>, raw:<x>:<y>)
     """Mean over layers and runs per seed, then seed_row (no verdict if not `judged`)."""
     v = per_run.groupby("seed")[column].mean().dropna().to_numpy()
     kw = {} if judged else {"verdict": ""}
     detail = f"per-seed values {np.round(v, 4).tolist()}"
     correlation = column.startswith(("rho:", "raw:"))
     return seed_row(
-        v, study="main", claim=claim, group=group, window=win, sign=sign, note=note, detail=detail,
-        correlation=correlation, **kw,
+        v, study="main", claim=claim, claim_id=column, group=group, window=win, sign=sign, note=note,
+        detail=detail, correlation=correlation, **kw,
     )  # fmt: skip
 
 
@@ -398,6 +256,7 @@ def _contrast_row(w: pd.DataFrame, per_run: pd.DataFrame, group: str, win: str, 
     return claim_row(
         study="main",
         claim=CONTRAST_CLAIM,
+        claim_id=CONTRAST_ID,
         group=group,
         window=win,
         value=mean,
@@ -413,6 +272,7 @@ def _contrast_row(w: pd.DataFrame, per_run: pd.DataFrame, group: str, win: str, 
         interval="95% t over seeds (per-seed share)",
         window_start=note,
         verdict=verdict,
+        per_seed=per_seed_text(v),
     )
 
 
@@ -438,18 +298,19 @@ def claims_main(df: pd.DataFrame, windows: tuple[str, ...] = WINDOWS, groups: bo
                 v, obs, null = comovement_per_seed(table, x, y)
                 detail = f"per-seed excess {np.round(v, 4).tolist()}; mean r {obs:.3f}, surrogate null r {null:.3f}"
                 rows.append(
-                    seed_row(v, study="main", claim=claim + CO_MOVEMENT, group=group, window=win, sign=sign,
-                             note=note, detail=detail)
+                    seed_row(v, study="main", claim=claim + CO_MOVEMENT, claim_id=f"comove:{x}:{y}", group=group,
+                             window=win, sign=sign, note=note, detail=detail)
                 )  # fmt: skip
                 rows.append(
                     _seed_rows(per_run, f"rho:{x}:{y}", claim + SPEARMAN_DIFF, sign, group, win, note, judged=False)
                 )
                 raw = _seed_rows(per_run, f"raw:{x}:{y}", claim + RAW_TREND, sign, group, win, note, judged=False)
                 rows.append(raw)
-    return _finish(rows)
+    return rows_table(rows)
 
 
 PAPER_CONTRAST_CLAIM = "PR_Q - PR_K > 0 at every probe of the seed-averaged trajectory (paper's form; share)"
+PAPER_CONTRAST_ID = "contrast_positive:seed_mean"
 
 
 def _paper_contrast_row(w: pd.DataFrame, win: str, note: str) -> dict:
@@ -462,7 +323,7 @@ def _paper_contrast_row(w: pd.DataFrame, win: str, note: str) -> dict:
     share = float(positive.mean()) if len(positive) else np.nan
     verdict = "holds" if share >= CONTRAST_HOLDS else "fails" if share < CONTRAST_FAILS else "inconclusive"
     return claim_row(
-        study="main", claim=PAPER_CONTRAST_CLAIM, group="all", window=win, value=share,
+        study="main", claim=PAPER_CONTRAST_CLAIM, claim_id=PAPER_CONTRAST_ID, group="all", window=win, value=share,
         n=len(positive), predicted="all > 0", verdict=verdict,
         seeds_agreeing=f"{int(positive.sum())}/{len(positive)} trajectories", interval="none (seed means)",
         window_start=note, detail=f"over {contrast['seed'].nunique()} seeds",
@@ -476,7 +337,7 @@ def sensitivity(df: pd.DataFrame) -> pd.DataFrame:
     out = claims_main(df, wins, groups=False)
     df = with_transient(df)
     extra = [_paper_contrast_row(window(df, w), w, window_note(window(df, w), w)) for w in wins if len(window(df, w))]
-    return pd.concat([out, _finish(extra)], ignore_index=True)
+    return pd.concat([out, rows_table(extra)], ignore_index=True)
 
 
 HORIZONS = (0.25, 0.5, 0.75, 1.0)  # fractions of the run: the claims judged on truncated runs

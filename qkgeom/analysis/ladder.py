@@ -23,7 +23,8 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.claims import LAYER_BANDS, _finish, seed_row
+from qkgeom.analysis.claims import LAYER_BANDS
+from qkgeom.analysis.rows import rows_table, seed_row
 from qkgeom.analysis.runs import BUDGET_KEYS, load_metrics, load_runs
 from qkgeom.config import EARLY_MAX_STEP
 
@@ -145,6 +146,7 @@ def claims_ladder(
             _rows(
                 v,
                 claim=f"{cid} {what}-layer PR_K last-half slope: trend across budgets (per doubling)",
+                claim_id=CLAIM_IDS[cid],
                 group=f"layer {layer}",
                 window=trend_win,
                 sign=sign,
@@ -158,6 +160,7 @@ def claims_ladder(
         _rows(
             v,
             claim=f"L3 PR_K shrinks at {top:g} M tokens: layer-mean last-half slope (per doubling)",
+            claim_id=CLAIM_IDS["L3"],
             group="mean over layers",
             window=f"last half, {top:g} M",
             sign=-1,
@@ -172,6 +175,7 @@ def claims_ladder(
             _rows(
                 v,
                 claim=f"L4 early trend that decays at {top:g} M: contrast slope early - late (per doubling)",
+                claim_id=CLAIM_IDS["L4"],
                 group="mean over layers",
                 window=f"steps <= {EARLY_MAX_STEP} vs later",
                 sign=+1,
@@ -191,6 +195,7 @@ def claims_ladder(
                         _rows(
                             v,
                             claim=f"S1 {short} last-half slope (per doubling)",
+                            claim_id=f"last_half_slope:{metric}",
                             group=band,
                             window=f"last half, {budget:g} M",
                             sign=sign,
@@ -204,6 +209,7 @@ def claims_ladder(
                 _rows(
                     t.set_index("seed")["trend"],
                     claim=f"S2 {METRICS[metric][0]} last-half slope: trend across budgets",
+                    claim_id=f"budget_trend:{metric}",
                     group=f"layer {layer}",
                     window=trend_win,
                     sign=None,
@@ -219,13 +225,14 @@ def claims_ladder(
             _rows(
                 f.set_index("seed")["loss"],
                 claim="S3 final validation loss (nats per character)",
+                claim_id="final_validation_loss",
                 group="all",
                 window=f"final, {budget / 1e6:.1f} M",
                 sign=None,
                 note=note,
             )
         )
-    out = _finish(rows)
+    out = rows_table(rows)
     if interim:
         judged = out["verdict"].astype(str) != ""
         out.loc[judged, "reading"] = (f"interim ({state}): " + out.loc[judged, "reading"].astype(str)).str.rstrip(": ")
@@ -244,14 +251,21 @@ def local_slope_summary(local: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(out)
 
 
-PRIMARY_IDS = ("L1", "L2", "L3", "L4")
+# the claim_id of each primary row (what a pre-registration names; the prose may change)
+CLAIM_IDS = {
+    "L1": "budget_trend:key_participation_ratio:first_layer",
+    "L2": "budget_trend:key_participation_ratio:last_layer",
+    "L3": "last_half_slope:key_participation_ratio:top_budget",
+    "L4": "early_decay:participation_ratio_contrast:top_budget",
+}
+PRIMARY_IDS = tuple(CLAIM_IDS)
 ACROSS_BUDGETS = ("L1", "L2")  # the rows a trend over budgets gives: the only ones leaving a budget out moves
 VARIANTS = ("axis: linear", "window: later start", "leave one budget out", "leave one seed out")
 
 
 def primary_rows(claims: pd.DataFrame, ids: tuple[str, ...] = PRIMARY_IDS) -> dict[str, pd.Series]:
-    """The ladder's primary rows by id (its claims carry their ids)."""
-    return {cid: claims[claims["claim"].str.startswith(cid + " ")].iloc[0] for cid in ids}
+    """The ladder's primary rows by id (CLAIM_IDS), never by their wording."""
+    return {cid: claims[claims["claim_id"] == CLAIM_IDS[cid]].iloc[0] for cid in ids}
 
 
 def robustness_variants(
@@ -297,4 +311,4 @@ def layer_rows_l3(top: pd.DataFrame, margin: float) -> pd.DataFrame:
     per_seed = {f"layer {layer}": g.set_index("seed")["slope"] for layer, g in s.groupby("layer")}
     budget = f"{top['budget_m'].max():g} M"
     claim = f"PR_K shrinks at {budget} tokens: last-half slope (per doubling)"
-    return layer_rows("L3", claim, per_seed, sign=-1, window=f"last half, {budget}", margin=margin)
+    return layer_rows("L3", claim, CLAIM_IDS["L3"], per_seed, sign=-1, window=f"last half, {budget}", margin=margin)

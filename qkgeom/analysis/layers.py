@@ -12,28 +12,35 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.claims import _finish, seed_row
 from qkgeom.analysis.primary import error_control_p, readable
 from qkgeom.analysis.robustness import pooled_primaries
+from qkgeom.analysis.rows import rows_table, seed_row
 
 TABLE = "per_layer"  # per_layer.csv beside claims.csv
 
 
 def layer_rows(
-    cid: str, claim: str, per_seed: dict[str, pd.Series], *, sign: int, window: str, margin: float = np.nan
+    cid: str,
+    claim: str,
+    claim_id: str,
+    per_seed: dict[str, pd.Series],
+    *,
+    sign: int,
+    window: str,
+    margin: float = np.nan,
 ) -> pd.DataFrame:
     """A pooled primary's per-layer rows: per_seed maps a group ("layer 2") to its per-seed values
     (index: seed). Each row goes through seed_row; p_holm_layers is Holm over the claim's readable
     layer rows on error_control_p (the larger of p and the sign-flip p)."""
     rows = [
         seed_row(
-            v.dropna().to_numpy(float), study="layers", claim=f"{cid} per layer: {claim}", group=group,
-            window=window, sign=sign, note="", margin=margin,
+            v.dropna().to_numpy(float), study="layers", claim=f"{cid} per layer: {claim}", claim_id=claim_id,
+            group=group, window=window, sign=sign, note="", margin=margin,
             detail=f"per-seed {np.round(v.to_numpy(float), 4).tolist()}",
         )
         for group, v in per_seed.items()
     ]  # fmt: skip
-    out = _finish(rows).assign(primary=cid)
+    out = rows_table(rows).assign(primary=cid)
     ok = out["verdict"].map(readable)
     p = [error_control_p(a, b) if r else np.nan for a, b, r in zip(out["p_value"], out["p_sign_flip"], ok, strict=True)]
     return out.assign(p_holm_layers=stats.holm(np.array(p, float)))
@@ -55,7 +62,7 @@ def slope_layer_rows(per_run: pd.DataFrame, claims: pd.DataFrame, margin: float 
             ].mean()
             for (depth, layer), g in per_run.groupby(["n_layers", "layer"])
         }
-        parts.append(layer_rows(r.primary, r.claim, per_seed, sign=sign, window=r.window, margin=margin))
+        parts.append(layer_rows(r.primary, r.claim, r.claim_id, per_seed, sign=sign, window=r.window, margin=margin))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 

@@ -37,20 +37,17 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.causal import (
-    SCALE_MARGIN,
-    parse_arm,
-    seed_window_note,
-    with_seed_window,
-)
-from qkgeom.analysis.claims import _finish, seed_row, window
+from qkgeom.analysis.arms import SCALE_MARGIN, claim_id, parse_arm
+from qkgeom.analysis.causal import seed_window_note, with_seed_window
+from qkgeom.analysis.claims import window
+from qkgeom.analysis.rows import rows_table, seed_row
 from qkgeom.analysis.runs import INSTANT_METRIC
 
 SHAM = "shape:activation:1:closed"  # the sham arm's label (config.arm_label)
 ROW_STD_TARGET = "logit_row_std_target"  # logged by the closed loop for its controlled heads
 CONTROL_ROW_STD = "logit_row_std_control"  # interventions.CONTROL_ROW_STD_METRIC: the fit set's row std
 # what an outcome row's claim names: hidden while a study is incomplete (blind)
-OUTCOME_WORDS = ("attention entropy", "validation loss", "instantaneous", "learned effect")
+OUTCOME_STATS = ("attention_entropy", "final_validation_loss", "instant_entropy_change", "learned_entropy_effect")
 
 
 def is_matched_study(df: pd.DataFrame) -> bool:
@@ -94,15 +91,15 @@ def paired(values: pd.Series, arm: str, ref: str, layer: int, log: bool = False)
     return (wide[arm] - wide[ref]).dropna()
 
 
-def _row(v: pd.Series, claim: str, layer: int | str, sign: int | None, note: str, **kw) -> dict:
+def _row(v: pd.Series, claim: str, cid: str, layer: int | str, sign: int | None, note: str, **kw) -> dict:
     x = v.to_numpy()
     detail = f"per-seed values {np.round(x, 4).tolist()}"
     if sign is not None:
         _, _, p_sign = stats.sign_test(x, sign)
         detail = f"sign test p = {p_sign:.3g}; {detail}"
     group = f"layer={int(layer)}" if isinstance(layer, (int, np.integer)) else layer
-    row = seed_row(x, study="intervention", claim=claim, group=group, window="post-transient", sign=sign, note=note,
-                   detail=detail, **kw)  # fmt: skip
+    row = seed_row(x, study="intervention", claim=claim, claim_id=cid, group=group, window="post-transient",
+                   sign=sign, note=note, detail=detail, **kw)  # fmt: skip
     row["interval"] = "95% t over seeds (paired)"
     return row
 
@@ -115,7 +112,8 @@ def scale_check(std: pd.Series, arm: str, layer: int, note: str, held_out: bool 
     if v.empty:
         return None
     lo, hi, ok = stats.tost(v.to_numpy(), SCALE_MARGIN)
-    row = _row(v, f"{arm} - sham: scale check, log per-row logit std (TOST +-5%)", layer, None, note)
+    row = _row(v, f"{arm} - sham: scale check, log per-row logit std (TOST +-5%)",
+               claim_id(arm, "sham", "scale_check:logit_row_std"), layer, None, note)  # fmt: skip
     where = ("held-out validation text (the loop fits on training text)" if held_out
              else "the rows the loop sets (no control set: an identity, cannot fail)")  # fmt: skip
     row.update(
@@ -139,7 +137,8 @@ def scale_secondaries(values: dict[str, pd.Series], arm: str, layer: int, note: 
         if metric in values:
             v = paired(values[metric], arm, SHAM, layer, log=log)
             if not v.empty:
-                rows.append(_row(v, f"{arm} - sham: {what}", layer, None, note))
+                cid = claim_id(arm, "sham", f"scale:{metric}")
+                rows.append(_row(v, f"{arm} - sham: {what}", cid, layer, None, note))
     return rows
 
 
@@ -152,7 +151,8 @@ def dose_check(pr: pd.Series, arm: str, layer: int, note: str) -> dict | None:
     sign, _ = predicted_signs(arm)
     kind, _, ratio = parse_arm(arm)
     assigned = f" (assigned {np.log(ratio):+.3f})" if kind == "shape" else ""
-    row = _row(v, f"{arm} - sham: delivered dose, log per-head activation PR_K{assigned}", layer, sign, note)
+    row = _row(v, f"{arm} - sham: delivered dose, log per-head activation PR_K{assigned}",
+               claim_id(arm, "sham", "delivered_dose:key_participation_ratio"), layer, sign, note)  # fmt: skip
     row["verdict"] = "manipulation ok" if row["verdict"] == "holds" else "manipulation failed"
     return row
 
@@ -184,16 +184,19 @@ def claims_matched(df: pd.DataFrame, metrics: pd.DataFrame | None = None) -> pd.
             if v.empty:
                 continue
             kw = {"verdict": failed[0]} if failed or len(checks) < 2 else {}
-            rows.append(_row(v, f"{arm} - sham: attention entropy (nats)", layer, sign, note, **kw))
+            rows.append(_row(v, f"{arm} - sham: attention entropy (nats)", claim_id(arm, "sham", "attention_entropy"),
+                             layer, sign, note, **kw))  # fmt: skip
     rows += reference_rows(df, ent, std, pr, layers, note)
     for arm in [*dose_arms(df), "none"]:
         for layer in free:
-            for what, v in (
-                ("attention entropy (nats), uncontrolled layer", paired(ent, arm, SHAM, layer)),
-                ("log per-row logit std, uncontrolled layer", paired(std, arm, SHAM, layer, log=True)),
-            ):
+            for what, slug, v in (
+                ("attention entropy (nats), uncontrolled layer", "attention_entropy:uncontrolled",
+                 paired(ent, arm, SHAM, layer)),
+                ("log per-row logit std, uncontrolled layer", "logit_row_std:uncontrolled",
+                 paired(std, arm, SHAM, layer, log=True)),
+            ):  # fmt: skip
                 if not v.empty:
-                    rows.append(_row(v, f"{arm} - sham: {what}", layer, None, note))
+                    rows.append(_row(v, f"{arm} - sham: {what}", claim_id(arm, "sham", slug), layer, None, note))
     rows += instant_vs_learned(df, ent, layers, note)
     if metrics is not None and len(metrics):
         val = metrics[metrics["split"] == "valid"]
@@ -202,8 +205,9 @@ def claims_matched(df: pd.DataFrame, metrics: pd.DataFrame | None = None) -> pd.
             wide = final.unstack("intervention")
             if arm in wide and SHAM in wide:
                 v = (wide[arm] - wide[SHAM]).dropna()
-                rows.append(_row(v, f"{arm} - sham: final validation loss (nats/char)", "final", None, note))
-    return _finish(rows)
+                rows.append(_row(v, f"{arm} - sham: final validation loss (nats/char)",
+                                 claim_id(arm, "sham", "final_validation_loss"), "final", None, note))  # fmt: skip
+    return rows_table(rows)
 
 
 def reference_rows(
@@ -213,27 +217,30 @@ def reference_rows(
     std, log PR_K) and the temperature arm against none per layer (the scale calibration)."""
     rows: list[dict] = []
     for layer in layers:  # the sham's own validity: what being under the control does, per layer
-        for what, v in (
-            ("attention entropy (nats)", paired(ent, "none", SHAM, layer)),
-            ("log per-row logit std", paired(std, "none", SHAM, layer, log=True)),
-            ("log per-head activation PR_K", paired(pr, "none", SHAM, layer, log=True)),
+        for what, slug, v in (
+            ("attention entropy (nats)", "attention_entropy", paired(ent, "none", SHAM, layer)),
+            ("log per-row logit std", "logit_row_std", paired(std, "none", SHAM, layer, log=True)),
+            ("log per-head activation PR_K", "key_participation_ratio", paired(pr, "none", SHAM, layer, log=True)),
         ):
             if not v.empty:
-                rows.append(_row(v, f"none - sham: {what}, being under the control", layer, None, note))
+                cid = claim_id("none", "sham", f"{slug}:under_control")
+                rows.append(_row(v, f"none - sham: {what}, being under the control", cid, layer, None, note))
     for arm in sorted(a for a in df["intervention"].unique() if parse_arm(a)[0] == "temperature"):
         for layer in sorted(df.loc[df["head"] >= 0, "layer"].unique()):  # the scale calibration, per layer
-            for what, v in (
-                ("attention entropy (nats)", paired(ent, arm, "none", layer)),
-                ("log per-row logit std", paired(std, arm, "none", layer, log=True)),
+            for what, slug, v in (
+                ("attention entropy (nats)", "attention_entropy", paired(ent, arm, "none", layer)),
+                ("log per-row logit std", "logit_row_std", paired(std, arm, "none", layer, log=True)),
             ):
                 if not v.empty:
-                    rows.append(_row(v, f"{arm} - none: {what}, scale calibration", layer, None, note))
+                    cid = claim_id(arm, "none", f"{slug}:scale_calibration")
+                    rows.append(_row(v, f"{arm} - none: {what}, scale calibration", cid, layer, None, note))
     return rows
 
 
-def is_outcome(claim: str) -> bool:
-    """Whether a claims row reads an outcome (hidden while the study is blind) rather than a check."""
-    return any(w in claim for w in OUTCOME_WORDS)
+def is_outcome(cid: str) -> bool:
+    """Whether a claims row (by its claim_id) reads an outcome, hidden while the study is blind, rather
+    than a check: attention entropy, validation loss, the zero-training complement."""
+    return str(cid).rsplit(".", 1)[-1].startswith(OUTCOME_STATS)
 
 
 def seeds_complete(df: pd.DataFrame, planned_arms: int) -> int:
@@ -243,7 +250,7 @@ def seeds_complete(df: pd.DataFrame, planned_arms: int) -> int:
 
 def blind(claims: pd.DataFrame) -> pd.DataFrame:
     """The claims table without its outcome rows (entropy, loss, the zero-training complement)."""
-    return claims[~claims["claim"].map(is_outcome)].reset_index(drop=True)
+    return claims[~claims["claim_id"].map(is_outcome)].reset_index(drop=True)
 
 
 def instant_vs_learned(df: pd.DataFrame, ent: pd.Series, layers: list[int], note: str) -> list[dict]:
@@ -260,12 +267,13 @@ def instant_vs_learned(df: pd.DataFrame, ent: pd.Series, layers: list[int], note
         if arm not in change:
             continue
         instant = (change[arm] - change[SHAM]).dropna()
+        where = "mean over controlled layers"
         rows.append(_row(instant, f"{arm} - sham: instantaneous entropy change of its map (no training)",
-                         "mean over controlled layers", None, note))  # fmt: skip
+                         claim_id(arm, "sham", "instant_entropy_change"), where, None, note))  # fmt: skip
         trained = pd.concat([paired(ent, arm, SHAM, la) for la in layers], axis=1).mean(axis=1)
         learned = (trained - instant).dropna()
         rows.append(_row(learned, f"{arm} - sham: learned effect (trained - instantaneous), attention entropy",
-                         "mean over controlled layers", None, note))  # fmt: skip
+                         claim_id(arm, "sham", "learned_entropy_effect"), where, None, note))  # fmt: skip
     return rows
 
 

@@ -7,16 +7,19 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
-from qkgeom.analysis.claims import PARAMETRIC_ONLY
+from qkgeom.analysis.rows import PARAMETRIC_ONLY
 from qkgeom.analysis.runs import AnalysisError
 
 
 def primary_mask(claims: pd.DataFrame, primary: list[dict]) -> pd.Series:
-    """The rows a pre-registration names primary: each spec {id, claim, group, window} picks the
-    judged row whose claim text starts with `claim` (and whose group / window match, where given)."""
+    """The rows a pre-registration names primary: each spec {id, claim_id, group, window} picks the
+    judged row of that claim_id (and group / window, where given), never by the row's wording."""
     hit = pd.Series(False, index=claims.index)
+    ids = claims["claim_id"].astype(str) if "claim_id" in claims else pd.Series("", index=claims.index)
     for spec in primary:
-        m = claims["claim"].astype(str).str.startswith(spec["claim"]) & (claims["verdict"].astype(str) != "")
+        if "claim_id" not in spec:
+            raise AnalysisError(f"pre-registered primary {spec.get('id', '?')} names no claim_id")
+        m = (ids == spec["claim_id"]) & (claims["verdict"].astype(str) != "")
         for key in ("group", "window"):
             if key in spec:
                 m &= claims[key].astype(str) == spec[key]
@@ -60,8 +63,8 @@ def adjust_primary(claims: pd.DataFrame, primary: list[dict], strict: bool = Tru
         hit = primary_mask(out, [spec])
         if strict and hit.sum() != 1:
             raise AnalysisError(
-                f"pre-registered primary {spec['id']} ({spec['claim']!r}) picks {int(hit.sum())} judged rows of the "
-                "claims table, not 1: name its group and window, or the claim as the analysis now words it"
+                f"pre-registered primary {spec['id']} ({spec['claim_id']!r}) picks {int(hit.sum())} judged rows of the "
+                "claims table, not 1: name its group and window, or the claim_id the analysis writes"
             )
         out.loc[hit, "primary"] = spec["id"]
     rows = (out["primary"] != "") & out["verdict"].map(readable)

@@ -14,8 +14,8 @@ import pandas as pd
 
 from qkgeom.analysis import claims as A
 from qkgeom.analysis import stats
-from qkgeom.analysis.claims import seed_row
 from qkgeom.analysis.primary import plain_verdict
+from qkgeom.analysis.rows import seed_row
 from qkgeom.analysis.runs import AnalysisError
 
 TABLE = "robustness"  # robustness.csv beside claims.csv
@@ -69,11 +69,11 @@ MAIN_VARIANTS = ("axis: log step", "window: later start", "leave one seed out")
 def pooled_primaries(claims: pd.DataFrame) -> list[tuple[tuple, tuple]]:
     """A main study's pooled primary rows (group `all`, post-transient) whose claim is a slope or a
     co-movement, each with what it measures: ("slope", metric, sign) or ("comovement", x, y, sign),
-    found by the claim's exact wording in claims.SLOPE_CLAIMS / CORRELATION_CLAIMS."""
-    kinds = {text: ("slope", metric, sign) for metric, text, sign in A.SLOPE_CLAIMS}
-    kinds |= {text + A.CO_MOVEMENT: ("comovement", x, y, sign) for x, y, text, sign in A.CORRELATION_CLAIMS}
+    found by its claim_id (claims.SLOPE_CLAIMS / CORRELATION_CLAIMS), never by its wording."""
+    kinds = {f"slope:{metric}": ("slope", metric, sign) for metric, _, sign in A.SLOPE_CLAIMS}
+    kinds |= {f"comove:{x}:{y}": ("comovement", x, y, sign) for x, y, _, sign in A.CORRELATION_CLAIMS}
     rows = claims[(claims["primary"] != "") & (claims["group"] == "all") & (claims["window"] == "post-transient")]
-    return [(r, kinds[r.claim]) for r in rows.itertuples(index=False) if r.claim in kinds]
+    return [(r, kinds[r.claim_id]) for r in rows.itertuples(index=False) if r.claim_id in kinds]
 
 
 def _per_seed(w: pd.DataFrame, kind: tuple, axis: str = "progress") -> np.ndarray:
@@ -109,8 +109,8 @@ def main_variants(
             raise AnalysisError(f"robustness: primary {r.primary} does not recompute to its value {r.value}")
 
         def judged(v: np.ndarray, name: str, r=r, kind=kind) -> tuple[str, dict]:
-            row = seed_row(v, study="main", claim=r.claim, group="all", window=name, sign=kind[-1], note="",
-                           margin=margin)  # fmt: skip
+            row = seed_row(v, study="main", claim=r.claim, claim_id=r.claim_id, group="all", window=name,
+                           sign=kind[-1], note="", margin=margin)  # fmt: skip
             return name, {r.primary: pd.Series(row)}
 
         if "axis: log step" in families and kind[0] == "slope":

@@ -28,6 +28,13 @@ from qkgeom.analysis.prereg import study_analysis
 from qkgeom.analysis.shown import Shown, shown
 from qkgeom.results import SWEEP_MANIFEST, read_json, write_table
 
+# a family study's headline rows (families.study's F1-F4), by (claim_id, group, window)
+FAMILY_HEADLINE = {
+    ("family:contrast_trend", "layer mean", "early"),
+    ("family:contrast_trend_decay", "layer mean", "early vs late"),
+    ("family:early_regime", "layer mean", "early vs late"),
+    ("family:heads_link", "all heads", "revisions after step 0"),
+}
 INTERIM_CHECKS = "interim_checks"  # a blind study's table: its checks, without any outcome row
 
 
@@ -102,7 +109,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     if (families := R.registered(pre, R.MAIN_VARIANTS)) and len(base) and not blind:  # analysis.robustness
         tables[R.TABLE] = R.main_variants(base, claims, float(pre.get("margin", np.nan)), families)
     if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
-        tables["scale_check"] = claims[claims["claim"].str.contains(" - sham: (?:scale check|delivered dose)")]
+        tables["scale_check"] = claims[claims["claim_id"].str.contains(r"-sham\.(?:scale_check|delivered_dose):")]
     written = {"summary": traj, "claims": claims, **tables}
     if blind:  # no claims.csv or verdicts.csv until the registered n is in: the checks go to their own table
         written = {"summary": traj, INTERIM_CHECKS: claims}
@@ -162,11 +169,12 @@ def verdicts(claims: pd.DataFrame, select: bool = True) -> pd.DataFrame:
             (claims["verdict"] != "") & claims["group"].isin(VERDICT_GROUPS) & claims["window"].isin(VERDICT_WINDOWS)
         ]
         # by depth band, the slopes only (the other claims per band stay in the full claims table)
-        sel = sel[~sel["group"].isin(list(A.LAYER_BANDS)) | sel["claim"].str.contains("slope of")]
+        sel = sel[~sel["group"].isin(list(A.LAYER_BANDS)) | sel["claim_id"].str.startswith("slope:")]
         # causal v4's per-layer rows against the sham (analysis.matched)
-        per_layer = claims[(claims["verdict"] != "") & claims["claim"].str.contains(" - sham: ")]
+        per_layer = claims[(claims["verdict"] != "") & claims["claim_id"].str.contains("-sham.", regex=False)]
         sel = pd.concat([sel, per_layer[~per_layer.index.isin(sel.index)]])
-        is_family = (claims["study"] == "family") & claims["claim"].str.match(r"F[1-4] ") & (claims["verdict"] != "")
+        keys = zip(claims["claim_id"], claims["group"], claims["window"], strict=True)
+        is_family = pd.Series([k in FAMILY_HEADLINE for k in keys], index=claims.index) & (claims["verdict"] != "")
         sel = pd.concat([claims[is_family], sel])  # a family study's primary claims (families/study.py) lead
     mde = pd.to_numeric(sel.get("mde_80", pd.Series(np.nan, index=sel.index)), errors="coerce")
     interval = [

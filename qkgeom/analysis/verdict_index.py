@@ -18,6 +18,18 @@ from qkgeom.analysis.study import fmt, wrap_lines
 from qkgeom.results import RECORDS_DIR, DamagedRunError
 
 CLAIMS_NEEDED = ("claim", "group", "window", "value", "ci_low", "ci_high", "n", "verdict", "p_value", "detail")
+# Claims tables committed before rows carried a claim_id (pinned studies, not re-derivable): the id of
+# each row a pre-registration names, by the prose those frozen files hold. Nothing writes this prose now.
+LEGACY_IDS = {
+    "contract:interaction:0.4 - none: attention entropy (nats)": "contract:interaction:0.4-none.attention_entropy",
+    "hold:key - none at matched validation loss: attention entropy (nats)": (
+        "hold:key-none.attention_entropy:loss_matched"
+    ),
+    "F1 early trend of PR_Q - PR_K: Spearman(PR_Q - PR_K, log step)": "family:contrast_trend",
+    "F2 decay: early rho - late rho": "family:contrast_trend_decay",
+    "F4 interaction rank vs attention entropy across heads, pooled over revisions: Spearman(interaction rank, "
+    "attention entropy) across heads": "family:heads_link",
+}
 
 
 def _committed_claims(path: Path) -> pd.DataFrame:
@@ -35,6 +47,8 @@ def _committed_claims(path: Path) -> pd.DataFrame:
         what = f"no column {lost[0]!r}" if lost else "a p_value that is not a number"
         raise DamagedRunError(f"{path} is damaged ({what}; truncated?); re-derive it with qkgeom analyze")
     claims["verdict"] = claims["verdict"].fillna("")
+    if "claim_id" not in claims:  # written before claim ids: a frozen table (LEGACY_IDS)
+        claims["claim_id"] = claims["claim"].map(LEGACY_IDS).fillna("")
     return claims
 
 
@@ -50,7 +64,9 @@ def current_claims(d: Path) -> pd.DataFrame:
     newer = [f for f in newer if int(re.search(r"_v(\d+)\.csv$", f.name).group(1)) >= 2]
     if newer:
         v2 = _committed_claims(newer[-1])
-        claims = pd.concat([v2, claims[~claims["claim"].isin(set(v2["claim"]))]], ignore_index=True)
+        key = ["claim_id", "group", "window"]
+        same = claims.set_index(key).index.isin(v2.set_index(key).index) & (claims["claim_id"] != "")
+        claims = pd.concat([v2, claims[~same]], ignore_index=True)
     return claims
 
 
@@ -112,8 +128,10 @@ def verdicts_index(root: str | Path) -> str:
                 found.append((d.name, spec_row["id"], r, (d / RECORDS_DIR).is_dir()))
     tested = []  # per row: (sign-flip p, floor, Holm input p or NaN where the row is unreadable)
     for _, _, r, _ in found:
-        seeds = re.search(r"per-seed (?:[a-z]+ )?\[([^\]]*)\]", str(r.detail))
-        v = np.array([float(x) for x in seeds.group(1).split(",")]) if seeds else np.array([])
+        v = A.per_seed_values(getattr(r, "per_seed", ""))
+        if not len(v):  # a frozen table written before per-seed values were a column: read from its detail
+            seeds = re.search(r"per-seed (?:[a-z]+ )?\[([^\]]*)\]", str(r.detail))
+            v = np.array([float(x) for x in seeds.group(1).split(",")]) if seeds else np.array([])
         flip, floor = A.stats.sign_flip_p(v) if len(v) else (np.nan, np.nan)
         tested.append((flip, floor, P.error_control_p(r.p_value, flip) if P.readable(r.verdict) else np.nan))
     p_in = np.array([t[2] for t in tested])
@@ -142,6 +160,7 @@ def verdicts_index(root: str | Path) -> str:
         "listed below the table. Blank: the study registers none. layers: for a primary that averages",
         "layers, whether any two layers' 95% intervals lie on opposite sides of 0 (then the pooled row is",
         "their net); its per-layer rows, with Holm over the claim's layers, are listed below the table.",
+        "claim: the row's wording, then its claim_id (`...`), by which the pre-registration names it.",
         "",
         "| study | id | claim | group | window | measured [95% CI] | n | verdict | p | p (sign-flip) | floor "
         "| Holm input | p (Holm, study) | survives Holm (study) | p (Holm, all studies; descriptive) | records "
@@ -156,7 +175,7 @@ def verdicts_index(root: str | Path) -> str:
         signs = layers.sign_reading(by_layer[study], cid) if study in by_layer else ""
         verdict = A.n_aware(r.verdict, floor) + (", choice-dependent" if robust.startswith("choice") else "")
         lines.append(
-            f"| {study} | {cid} | {r.claim} | {r.group} | {r.window} | {fmt(r.value)}{ci} | {r.n} | "
+            f"| {study} | {cid} | {r.claim} `{r.claim_id}` | {r.group} | {r.window} | {fmt(r.value)}{ci} | {r.n} | "
             f"{verdict} | {fmt(r.p_value)} | {fmt(flip)} | {fmt(floor)} | {fmt(p_i)} | "
             f"{fmt(p_s)} | {survives} | {fmt(p_a)} | {'yes' if recorded else 'not re-derivable'} | {robust} | {signs} |"
         )

@@ -22,7 +22,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom import config as C
-from qkgeom.analysis.claims import CLAIM_COLUMNS, claim_row, numeric_columns, seed_row
+from qkgeom.analysis.rows import CLAIM_COLUMNS, claim_row, numeric_columns, seed_row
 from qkgeom.analysis.runs import run_folders
 from qkgeom.families.config import PretrainedConfig
 from qkgeom.families.revisions import (
@@ -48,6 +48,13 @@ PER_LAYER = "per layer: " + CONTRAST_TREND
 # analysis v2 (issue 29), not pre-registered for family-cpu: unbounded decay, within-layer link (claim 4b)
 F2_SLOPE = "F2u decay, unbounded (analysis v2): early slope - late slope of PR_Q - PR_K on log step"
 F4_WITHIN = "F4w interaction rank vs normalised entropy within layer (analysis v2), pooled over revisions"
+# each claim's claim_id (what a pre-registration names; with group and window it picks one row): F1, F6
+# and the per-layer rows are one statistic in other windows or groups, as F4 and F5 are
+CLAIM_IDS = {
+    F1: "family:contrast_trend", F6: "family:contrast_trend", PER_LAYER: "family:contrast_trend",
+    F2: "family:contrast_trend_decay", F3: "family:early_regime", F2_SLOPE: "family:contrast_slope_decay",
+    F4: "family:heads_link", F5: "family:heads_link", F4_WITHIN: "family:within_layer_link",
+}  # fmt: skip
 
 
 def family_runs(path: str | Path) -> list[Path]:
@@ -116,9 +123,10 @@ def seed_statistics(path: str | Path) -> pd.DataFrame:
 def _seed_row(v: np.ndarray, claim: str, group: str, win: str, sign: int | None, note: str) -> dict:
     """A family claim over per-seed values; F2 (a difference of rhos) on the t scale, the rest as
     correlations (Fisher z, bounded)."""
+    cid = CLAIM_IDS[claim]
     return seed_row(
-        v, study="family", claim=claim, group=group, window=win, sign=sign, note=note,
-        detail=f"per-seed values {np.round(v, 4).tolist()}", correlation=not claim.startswith("F2"),
+        v, study="family", claim=claim, claim_id=cid, group=group, window=win, sign=sign, note=note,
+        detail=f"per-seed values {np.round(v, 4).tolist()}", correlation=cid != CLAIM_IDS[F2],
     )  # fmt: skip
 
 
@@ -143,8 +151,8 @@ def family_claims(seeds: pd.DataFrame) -> pd.DataFrame:
         joint = "fails" if "fails" in (f1, f2) else "holds" if f1 == f2 == "holds" else "inconclusive"
         detail = f"F1 {f1}, F2 {f2}: holds if both hold, fails if either fails"
         rows.append(
-            claim_row(study="family", claim=F3, group="layer mean", window="early vs late", value=np.nan,
-                      n=len(both), detail=detail,
+            claim_row(study="family", claim=F3, claim_id=CLAIM_IDS[F3], group="layer mean", window="early vs late",
+                      value=np.nan, n=len(both), detail=detail,
                       predicted="+", verdict=joint, window_start=windows)
         )  # fmt: skip
         rows.append(_seed_row(both["late"].to_numpy(), F6, "layer mean", "late", None, late_note))
@@ -154,7 +162,8 @@ def family_claims(seeds: pd.DataFrame) -> pd.DataFrame:
         if {"early", "late"} <= set(sm):
             d = (sm["early"] - sm["late"]).dropna().to_numpy()
             rows.append(
-                seed_row(d, study="family", claim=F2_SLOPE, group="layer mean", window="early vs late", sign=+1,
+                seed_row(d, study="family", claim=F2_SLOPE, claim_id=CLAIM_IDS[F2_SLOPE], group="layer mean",
+                         window="early vs late", sign=+1,
                          note=f"{early_note} vs {late_note}", detail=f"per-seed values {np.round(d, 4).tolist()}")
             )  # fmt: skip
     within = seeds[seeds["statistic"] == WITHIN_LAYER_LINK]

@@ -164,6 +164,7 @@ def _per_step(claims: pd.DataFrame) -> pd.DataFrame:
     """The F5 rows of a family study's claims (one per revision): step, value, ci_low, ci_high."""
     from qkgeom.families import study as FS
 
-    f5 = claims[claims["claim"] == FS.F5].copy()
+    ids = claims["claim_id"] if "claim_id" in claims else claims["claim"].map({FS.F5: FS.CLAIM_IDS[FS.F5]})
+    f5 = claims[(ids == FS.CLAIM_IDS[FS.F5]) & claims["window"].astype(str).str.startswith("step ")].copy()
     f5["step"] = f5["window"].str.removeprefix("step ").astype(int)
     return f5[["step", "value", "ci_low", "ci_high"]]

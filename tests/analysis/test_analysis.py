@@ -314,27 +314,33 @@ def test_holm_reads_a_p_the_rows_n_can_reach_and_skips_unreadable_rows():
 
     rows = pd.DataFrame({
         "claim": ["A small n", "B scale check failed", "C large n"],
+        "claim_id": ["a", "b", "c"],
         "group": "all", "window": "post-transient",
         "verdict": ["holds (parametric only)", "scale not matched (shape:0.8)", "holds"],
         "p_value": [1e-4, 1e-6, 0.001],
         "p_sign_flip": [0.125, 0.0001, 0.0005],
     })  # fmt: skip
-    spec = [{"id": cid, "claim": c} for cid, c in zip("ABC", ["A small", "B scale", "C large"], strict=True)]
+    spec = [{"id": cid.upper(), "claim_id": cid} for cid in "abc"]
     out = P.adjust_primary(rows, spec)
     assert out["primary"].tolist() == ["A", "B", "C"]
     # m = 2 (B is out): C 2 x 0.001 = 0.002; A max(0.002, 1 x 0.125) = 0.125. On the t p: A 2e-4, C 0.001.
     np.testing.assert_allclose(out["p_holm"].to_numpy(), [0.125, np.nan, 0.002])
     assert not P.readable("manipulation failed") and P.readable("fails (parametric only)")
     assert P.error_control_p(0.01, np.nan) == 0.01  # no per-seed values: the row's own p
-    # a spec that picks no judged row (its claim reworded) or several is refused, not skipped in silence
+    # rewording a claim changes nothing (specs name claim ids); a spec that picks no judged row or
+    # several, or names no claim_id, is refused, not skipped in silence
     from qkgeom.analysis.runs import AnalysisError
 
     reworded = rows.assign(claim=rows["claim"].str.replace("C large n", "C, a large n"))
-    with pytest.raises(AnalysisError, match=r"primary C \('C large'\) picks 0 judged rows"):
-        P.adjust_primary(reworded, spec)
-    with pytest.raises(AnalysisError, match=r"primary AB \(''\) picks 3 judged rows"):
-        P.adjust_primary(rows, [{"id": "AB", "claim": ""}])
-    assert P.adjust_primary(reworded, spec, strict=False)["primary"].tolist() == ["A", "B", ""]  # a blind study
+    pd.testing.assert_frame_equal(P.adjust_primary(reworded, spec).drop(columns="claim"), out.drop(columns="claim"))
+    with pytest.raises(AnalysisError, match=r"primary C \('c'\) picks 0 judged rows"):
+        P.adjust_primary(rows.assign(claim_id=["a", "b", "c2"]), spec)
+    with pytest.raises(AnalysisError, match=r"primary AB \('a'\) picks 3 judged rows"):
+        P.adjust_primary(rows.assign(claim_id="a"), [{"id": "AB", "claim_id": "a", "window": "post-transient"}])
+    with pytest.raises(AnalysisError, match="primary X names no claim_id"):
+        P.adjust_primary(rows, [{"id": "X", "claim": "A small"}])
+    blind = P.adjust_primary(rows.assign(claim_id=["a", "b", "c2"]), spec, strict=False)  # a blind study
+    assert blind["primary"].tolist() == ["A", "B", ""]
 
 
 def test_a_verdict_that_changes_under_a_variant_reads_choice_dependent():
@@ -393,7 +399,8 @@ def test_per_layer_rows_say_when_a_pooled_primary_is_a_net_of_opposite_layers():
     seeds = pd.Index(range(6), name="seed")
     up = pd.Series([1.0, 1.1, 0.9, 1.05, 0.95, 1.0], index=seeds)
     flat = pd.Series([0.1, -0.3, 0.05, -0.05, 0.2, -0.2], index=seeds)
-    rows = layers.layer_rows("P1", "PR_K shrinks", {"layer 0": up, "layer 1": -up, "layer 2": flat}, sign=-1,
+    per_seed = {"layer 0": up, "layer 1": -up, "layer 2": flat}
+    rows = layers.layer_rows("P1", "PR_K shrinks", "slope:key_participation_ratio", per_seed, sign=-1,
                              window="post-transient")  # fmt: skip
     assert rows["verdict"].tolist() == ["fails", "holds", "inconclusive"]
     # 6 seeds, all one sign: sign-flip p = 2 / 64 for layers 0, 1 (> their t p), Holm over 3 -> 3 x 1/32

@@ -143,6 +143,7 @@ def test_analyze_on_a_partial_study_hides_the_outcome(tmp_path):
     seeds, six arms each) analysed by `qkgeom analyze` print the blind line and keep the checks (scale,
     dose, the sham's row std and PR_K), while no outcome row (entropy, loss, the complement) reaches the
     terminal, claims.csv or verdicts.csv, and no v3 pooled row runs on them."""
+    import json
     import shutil
     import subprocess
     import sys
@@ -153,7 +154,9 @@ def test_analyze_on_a_partial_study_hides_the_outcome(tmp_path):
     shutil.copytree(src / "superseded-v1" / "runs", tmp_path / "runs")
     for name in ("preregistration_versions.json",):
         shutil.copy(src / name, tmp_path / name)
-    shutil.copy(src / "superseded-v1" / "sweep.json", tmp_path / "sweep.json")
+    manifest = json.loads((src / "superseded-v1" / "sweep.json").read_text())
+    manifest["analysis"] = json.loads((src / "sweep.json").read_text())["analysis"]  # the current registration
+    (tmp_path / "sweep.json").write_text(json.dumps(manifest))
     r = subprocess.run(
         [sys.executable, "-m", "qkgeom.cli", "analyze", str(tmp_path)], capture_output=True, text=True, cwd=REPO
     )

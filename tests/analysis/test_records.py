@@ -53,6 +53,28 @@ def test_a_committed_study_reanalyses_byte_identical(study, tmp_path, capsys):
     assert sorted(claims.loc[claims["primary"].notna(), "primary"]) == primary
 
 
+def test_rewording_every_claim_changes_no_verdict(tmp_path, capsys, monkeypatch):
+    """Claims were keyed by their prose: rewording one in the code silently dropped it from its Holm
+    family. trainer-gpt2's records analysed with every main claim reworded give the same primary rows,
+    verdicts, Holm p, per-layer rows and variants; only the wording column differs."""
+    from qkgeom.analysis import claims as A
+
+    committed = RESULTS / "study-trainer-gpt2"
+    copy = tmp_path / "study-trainer-gpt2"
+    shutil.copytree(committed / "runs", copy / "runs")
+    for name in ("preregistration.toml", "preregistration_versions.json"):
+        shutil.copy(committed / name, copy / name)
+    monkeypatch.setattr(A, "SLOPE_CLAIMS", tuple((m, f"reworded {c}", s) for m, c, s in A.SLOPE_CLAIMS))
+    monkeypatch.setattr(A, "CORRELATION_CLAIMS", tuple((x, y, f"x {c}", s) for x, y, c, s in A.CORRELATION_CLAIMS))
+    monkeypatch.setattr(A, "CO_MOVEMENT", ": co-movement, in other words")
+    assert main(["analyze", str(copy)]) == 0, capsys.readouterr().err
+    for name in ("claims.csv", "per_layer.csv"):
+        new, old = pd.read_csv(copy / name), pd.read_csv(committed / name)
+        assert (new["claim"] != old["claim"]).sum() >= 4  # reworded, and the four primaries still found
+        pd.testing.assert_frame_equal(new.drop(columns="claim"), old.drop(columns="claim"))
+    assert (copy / "robustness.csv").read_bytes() == (committed / "robustness.csv").read_bytes()
+
+
 def test_a_record_is_a_slim_run_folder_that_analyses_the_same(tmp_path):
     from qkgeom.analysis.study import analyze
     from qkgeom.training.loop import train
@@ -92,7 +114,8 @@ def test_an_accumulating_study_records_each_run_and_skips_recorded_ones(tmp_path
         '[sweep]\nname = "mini-ladder"\nbase = "tiny"\norder = "seed"\n'
         '[grid]\n"train.steps,probe.every,train.eval_every" = [[20, 5, 5], [40, 10, 10]]\n'
         '"train.seed,train.data_seed" = [[0, 1000], [1, 1001], [2, 1002]]\n'
-        f'[analysis]\nrecords = "{records}"\nmargin = 0.1\nprimary = [{{ id = "L1", claim = "L1 " }}]\n'
+        f'[analysis]\nrecords = "{records}"\nmargin = 0.1\n'
+        'primary = [{ id = "L1", claim_id = "budget_trend:key_participation_ratio:first_layer" }]\n'
     )
     out = tmp_path / "runs"
     args = ["study", str(sweep), "--out", str(out), "--no-progress", "--workers", "1"]
