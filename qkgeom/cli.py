@@ -108,7 +108,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _sweep(args: argparse.Namespace):
     from qkgeom.results import RunDir
-    from qkgeom.training.sweep import expand, load_sweep, run_sweep
+    from qkgeom.training.sweep import SweepError, expand, load_sweep, run_sweep
 
     spec = load_sweep(args.sweep, args.overrides)
     out = Path(args.out) if args.out else Path(args.runs) / spec.name
@@ -135,8 +135,6 @@ def _sweep(args: argparse.Namespace):
         f"{len(res.failed)} failed in {res.seconds:.0f} s -> {out}"
     )
     if res.failed and not res.done and not res.skipped:  # nothing to analyse: one line, the cause in it
-        from qkgeom.training.sweep import SweepError
-
         errors = sorted(set(res.failed.values()))
         more = f" (and {len(errors) - 1} other errors)" if len(errors) > 1 else ""
         raise SweepError(f"all {len(res.failed)} runs failed: {errors[0]}{more}; what they wrote is kept in {out}")
@@ -331,7 +329,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_study(args: argparse.Namespace) -> int:
     """`qkgeom study`: sweep, analyze and report; an accumulating study is analysed from its records."""
     from qkgeom.analysis.study import format_verdicts
-    from qkgeom.families.study import analyse_families, is_family_study
+    from qkgeom.families.study import analyse_families, is_family_study, record_families
     from qkgeom.report.family import family_study_section
     from qkgeom.report.study import write_report
 
@@ -342,6 +340,8 @@ def cmd_study(args: argparse.Namespace) -> int:
     if records is not None:  # an accumulating study: it is analysed from all its committed records
         from qkgeom.training.sweep import expand, write_manifest
 
+        if is_family_study(out):  # each run's family measured while its checkpoints exist, kept in its record
+            record_families(out, records, progress=not args.no_progress)
         write_manifest(spec, expand(spec), records)
         out = records
     if is_family_study(out):  # runs that kept log-spaced checkpoints: each read as a checkpoint family

@@ -192,8 +192,12 @@ def _record_digests(path: Path) -> dict[str, dict]:
 
 
 def data_seal(folder: Path, run_id: str | None = None) -> dict:
-    """What a record's seal holds: its run id (the folder's name) and the sha256 of each SEALED file."""
+    """What a record's seal holds: its run id (the folder's name) and the sha256 of each SEALED file and
+    of each file of its family measurements (family/<revision>/..., a family study's record)."""
     files = {n: _sha((folder / n).read_bytes()) for n in SEALED if (folder / n).is_file()}
+    if (folder / "family").is_dir():
+        files |= {p.relative_to(folder).as_posix(): _sha(p.read_bytes()) for p in sorted((folder / "family").rglob("*"))
+                  if p.is_file()}  # fmt: skip
     return {"run_id": run_id or folder.name, "files": files}
 
 

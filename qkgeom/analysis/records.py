@@ -8,6 +8,8 @@ A record is a slim run folder under ``docs/results/<study>/runs/<run_id>/`` (res
     geometry.parquet  every probe's rows (step, tokens_seen, layer, head, site, metric, value), zstd
     metrics.jsonl     every validation row; training rows thinned to at most RECORD_TRAIN_ROWS
     vocab.json, done.json
+    family/<rev>/     a family study's run: each kept checkpoint's measurement (config.json, geometry.parquet,
+                      done.json of its `qkgeom pretrained` folder), so the family re-derives without weights
     seal.json         the sha256 of each file above and the run id (analysis.prereg: checked on every read)
 
 ``record.preregistration`` in config.json is the digest of the pre-registration the record was
@@ -33,6 +35,8 @@ from qkgeom.results import RECORDS_DIR, RunDir, atomic_write_bytes, read_json, w
 from qkgeom.training.data import file_digest, resolve_source
 
 RECORD_TRAIN_ROWS = 200  # training-loss rows kept per run: a loss curve, not every step
+FAMILY_RECORD = "family"  # a record's family measurements: family/<revision>/ (families.study)
+FAMILY_FILES = ("config.json", "geometry.parquet", "done.json")  # what a revision keeps (no spectra)
 
 
 def _thin_metrics(rows: list[dict]) -> list[dict]:
@@ -57,9 +61,11 @@ def corpus_digest(config: dict) -> str | None:
     return "sha256:" + "|".join(parts) if parts else None
 
 
-def write_record(run: str | Path, dest: str | Path) -> Path:
+def write_record(run: str | Path, dest: str | Path, family: str | Path | None = None) -> Path:
     """The record of a finished run under `dest`/<run_id>/ (replaced whole if present), stamped with
-    the digest of the pre-registration of the study folder `dest` lies in. Returns it."""
+    the digest of the pre-registration of the study folder `dest` lies in. family: the run's family
+    measurement (a `qkgeom pretrained` folder of its kept checkpoints), kept as family/<revision>/
+    (every finished revision; spectra dropped). Returns it."""
     rd = RunDir(run)
     if not rd.is_done():
         raise FileNotFoundError(f"{rd.path} is not a finished run (no done.json): no record written")
@@ -83,6 +89,13 @@ def write_record(run: str | Path, dest: str | Path) -> Path:
     atomic_write_bytes(tmp.metrics, "".join(json.dumps(r) + "\n" for r in kept).encode())
     if rd.vocab.is_file():
         shutil.copyfile(rd.vocab, tmp.vocab)
+    if family is not None:
+        for rev in sorted(d for d in Path(family).iterdir() if RunDir(d).is_done() and not d.name.startswith(".")):
+            (tmp.path / FAMILY_RECORD / rev.name).mkdir(parents=True)
+            for name in FAMILY_FILES:
+                shutil.copyfile(rev / name, tmp.path / FAMILY_RECORD / rev.name / name)
+        info["record"]["dropped"].append(f"{FAMILY_RECORD}/*/spectra.npz")
+        write_json(tmp.config, info)
     shutil.copyfile(rd.done, tmp.done)  # a record with done.json is whole
     write_seal(tmp.path, rd.path.name)  # sealed by its data, under the name the folder takes next
     if out.path.exists():

@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom import config as C
+from qkgeom.analysis.records import FAMILY_RECORD
 from qkgeom.analysis.rows import CLAIM_COLUMNS, claim_row, numeric_columns, seed_row
 from qkgeom.analysis.runs import run_folders
 from qkgeom.families.config import PretrainedConfig
@@ -34,7 +35,16 @@ from qkgeom.families.revisions import (
     load_family,
     run_pretrained,
 )
-from qkgeom.results import FAMILY_CLAIMS_CSV, FAMILY_SEEDS_CSV, RunDir, read_json, revision_name, write_table
+from qkgeom.results import (
+    FAMILY_CLAIMS_CSV,
+    FAMILY_SEEDS_CSV,
+    RECORDS_DIR,
+    DamagedRunError,
+    RunDir,
+    read_json,
+    revision_name,
+    write_table,
+)
 
 FAMILY_DIR = "family"
 # the claims of configs/study-family-cpu.toml
@@ -74,11 +84,20 @@ def analyse_families(
     path: str | Path, early_max_step: int = C.EARLY_MAX_STEP, progress: bool = True, **settings
 ) -> dict[str, Path]:
     """Export every run's kept checkpoints and analyse each run as a family; {run_id: analysis folder}.
+    A study record that carries its family (analysis.records: family/<revision>/) is read as it is.
     settings: further PretrainedConfig fields (n_tokens, seq_len, ...; defaults: configs/pretrained.toml)."""
     from qkgeom.families.export import export_run
 
     out = {}
     for run in family_runs(path):
+        if (run / FAMILY_RECORD).is_dir():
+            out[run.name] = run / FAMILY_RECORD
+            continue
+        if not (run / "checkpoints").is_dir():
+            raise DamagedRunError(
+                f"{run} kept no checkpoints and no family measurements (a record written before its family "
+                "was measured): delete it and run the study again to re-train that run"
+            )
         base = Path(path) / FAMILY_DIR / run.name
         export, analysis = base / "export", base / "analysis"
         kept = read_json(RunDir(run).config)["kept_checkpoints"]
@@ -90,16 +109,38 @@ def analyse_families(
     return out
 
 
+def record_families(runs: str | Path, results: str | Path, progress: bool = True, **settings) -> list[Path]:
+    """A family study that keeps records: each finished run under `runs` measured as a family while its
+    checkpoints exist (analyse_families), and its record under `results`/runs/ rewritten whole with that
+    measurement (analysis.records.write_record). settings: as analyse_families. Returns the records."""
+    from qkgeom.analysis.records import write_record
+
+    dest = Path(results) / RECORDS_DIR
+    measured = analyse_families(runs, progress=progress, **settings)
+    return [write_record(Path(runs) / r, dest, family=f) for r, f in measured.items()]
+
+
 def early_max_step_of(analysis: Path) -> int:
     """The early window a family was analysed with (each revision's config.json records it)."""
     first = next(d for d in sorted(analysis.iterdir()) if RunDir(d).is_done())
     return int(read_json(RunDir(first).config)["pretrained_config"]["early_max_step"])
 
 
+def family_folder(path: str | Path, run: Path) -> Path:
+    """Where a run's family measurement lies: in its study record (family/), else under
+    `path`/family/<run>/analysis/ (analyse_families)."""
+    return run / FAMILY_RECORD if (run / FAMILY_RECORD).is_dir() else Path(path) / FAMILY_DIR / run.name / "analysis"
+
+
+def has_families(path: str | Path) -> bool:
+    """Whether any run under `path` has been measured as a family."""
+    return any(family_folder(path, run).is_dir() for run in family_runs(path))
+
+
 def _families(path: str | Path) -> Iterator[tuple[Path, int, pd.DataFrame, pd.DataFrame, Path]]:
     """(run, seed, geometry, revisions, analysis folder) of every run analysed as a family so far."""
     for run in family_runs(path):
-        analysis = Path(path) / FAMILY_DIR / run.name / "analysis"
+        analysis = family_folder(path, run)
         if analysis.is_dir():
             geometry, revs = load_family(analysis)
             yield run, read_json(RunDir(run).config)["config"]["train"]["seed"], geometry, revs, analysis
@@ -207,4 +248,4 @@ def analyze_study(path: str | Path):
     from qkgeom.analysis.study import analyze
 
     path = Path(path)
-    return analyze(path, extra=lambda p: [write_family_tables(p)] if (p / FAMILY_DIR).is_dir() else [])
+    return analyze(path, extra=lambda p: [write_family_tables(p)] if has_families(p) else [])

@@ -130,3 +130,36 @@ def test_the_within_layer_link_removes_a_depth_gradient_and_has_a_permutation_nu
     related = pd.Series(depth * 5 + (ir - depth * 10) * 0.9 + rng.normal(0, 0.2, 32), index=idx)
     rho, p, n = within_layer_link(ir, related)
     assert rho > 0.8 and p < 0.001
+
+
+def test_a_family_study_keeps_its_families_in_its_records(tmp_path):
+    """family-cpu could not be re-derived: its records (run folders without checkpoints) could not be
+    measured as families again. A family study's record now keeps each revision's measurement
+    (family/<revision>/), sealed with the rest: the records alone give the same family rows, and an
+    edited byte of a family measurement is refused."""
+    import shutil
+
+    from qkgeom.analysis.prereg import RecordError, check_records
+    from qkgeom.training.sweep import load_sweep, run_sweep
+
+    sweep = tmp_path / "fam.toml"
+    sweep.write_text(
+        '[sweep]\nname = "fam"\nbase = "tiny"\n[set]\n"train.keep_checkpoints" = "log"\n'
+        '[grid]\n"train.seed,train.data_seed" = [[0, 1000], [1, 1001]]\n'
+    )
+    out, study = tmp_path / "fam", tmp_path / "results" / "fam"
+    run_sweep(load_sweep(sweep), out, workers=1, progress=False)
+    small = dict(early_max_step=10, n_tokens=512, seq_len=32, batch_size=4)
+    records = FS.record_families(out, study, progress=False, **small)
+    assert len(records) == 2 and all(len(list((r / "family").iterdir())) >= 8 for r in records)
+    assert not list(study.rglob("spectra.npz")) and not list(study.rglob("*.pt"))
+    full = FS.analyze_study(out).claims
+    shutil.rmtree(out)  # the next session: no run folders, no checkpoints, only the records
+    assert FS.analyse_families(study, progress=False) == {r.name: r / "family" for r in records}
+    slim = FS.analyze_study(study).claims
+    pd.testing.assert_frame_equal(full[full["study"] == "family"], slim[slim["study"] == "family"])
+    check_records(study)
+    geometry = sorted(records[0].glob("family/*/geometry.parquet"))[3]
+    geometry.write_bytes(geometry.read_bytes()[:-1] + b"\0")
+    with pytest.raises(RecordError, match="family/"):
+        check_records(study)
