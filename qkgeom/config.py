@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from qkgeom.arms import Arm, check_arm
 from qkgeom.device import DEVICE_PATTERN
-from qkgeom.errors import QKGeomError, read_text
+from qkgeom.errors import ConfigError, read_text
 
 # The checkout this package runs from (an editable install): the one place that derives it from
 # __file__, so that moving a module never moves what it points at. configs/ lies in it, and the
@@ -29,10 +30,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 QK_INITS = ("independent", "orthogonal", "tied", "anti_tied")
 PR_CONVENTIONS = ("variance", "singular")  # = probing.geometry.PR_CONVENTIONS (config may not import it)
 ALPHA_CONVENTIONS = ("weightwatcher", "clauset")  # heavy-tail alpha fits (probing.alpha.power_law_alpha)
-INTERVENTIONS = ("none", "hold", "contract", "expand", "shape", "temperature")
-# kinds whose target is ratio x the same seed's none run (always two-sided; they need its finished probes)
-BASELINE_KINDS = ("shape", "temperature")
-CONTROL_TARGETS, REFERENCES, CONTROL_MODES = ("key", "interaction"), ("baseline", "initial"), ("one-sided", "two-sided")
+# the arm kinds (which, their targets, ratio rules, matchings) live in qkgeom.arms (KINDS)
+REFERENCES, CONTROL_MODES = ("baseline", "initial"), ("one-sided", "two-sided")
 EARLY_MAX_STEP = 1000  # claim 4's early window ends here (family-cpu's and ladder-cpu's pre-registrations)
 # keys and values of earlier versions: a one-line error that names the replacement
 REPLACED = {
@@ -42,10 +41,6 @@ REPLACED = {
     "reference; reference = 'initial' gives the old schedule)",
 }
 TOKENIZERS = ("char", "byte")
-
-
-class ConfigError(QKGeomError, ValueError):
-    """A configuration that cannot be used; the message names the offending key/value."""
 
 
 @dataclass(frozen=True)
@@ -377,41 +372,15 @@ SAFE_NAME = re.compile(r"[A-Za-z0-9_=,+\-][A-Za-z0-9._=,+\-]*")
 
 
 def arm_label(iv: dict) -> str:
-    """A condition's name in tables: `none`, `hold:key`, `contract:key:0.6`, `expand:interaction:1.25`,
-    `shape:activation:0.7`, `temperature:logit:0.5`; `:matched` is appended at open-loop matched logit
-    scale (match_scale), `:closed` at closed-loop matched per-row logit std (match_row_std)."""
-    kind, on = iv["kind"], iv.get("on", "key")
-    on = {"shape": "activation", "temperature": "logit"}.get(kind, on)
-    matched = ":matched" if iv.get("match_scale") else ":closed" if iv.get("match_row_std") else ""
-    if kind == "none":
-        return "none"
-    if kind == "hold":
-        return f"hold:{on}{matched}"
-    return f"{kind}:{on}:{iv.get('ratio', 1.0):g}{matched}"
+    """A condition's name in tables (qkgeom.arms.Arm): `none`, `hold:key`, `contract:key:0.6`,
+    `shape:activation:0.7`, `temperature:logit:0.5`; `:matched` at open-loop matched logit scale
+    (match_scale), `:closed` at closed-loop matched per-row logit std (match_row_std)."""
+    return Arm.of(iv).label
 
 
 def arm_config(label: str) -> InterventionConfig:
-    """The intervention an arm label names (the inverse of arm_label): `none`,
-    `hold:key[:matched|:closed]`, `<kind>:<on>:<ratio>[:matched|:closed]`; shape and temperature relative
-    to a baseline (`:matched`: open-loop logit scale, match_scale; `:closed`: closed loop, match_row_std)."""
-    parts = label.split(":")
-    matched, closed = parts[-1] == "matched", parts[-1] == "closed"
-    parts = parts[:-1] if matched or closed else parts
-    kind = parts[0]
-    ok = kind in INTERVENTIONS and len(parts) == (1 if kind == "none" else 2 if kind == "hold" else 3)
-    try:
-        ratio = float(parts[2]) if len(parts) == 3 else 1.0
-    except ValueError:
-        ok = False
-    if not ok:
-        raise ConfigError(
-            f"arm label {label!r} is not none, hold:<on>[:matched|:closed] or <kind>:<on>:<ratio>[:matched|:closed] "
-            f"(kind one of {INTERVENTIONS})"
-        )
-    on = parts[1] if kind in ("hold", "contract", "expand") else "key"
-    return InterventionConfig(
-        kind=kind, on=on, ratio=ratio, match_scale=matched, match_row_std=closed, reference="baseline", mode="two-sided"
-    )
+    """The intervention an arm label names (the inverse of arm_label), relative to the baseline."""
+    return InterventionConfig(**Arm.parse(label).fields())
 
 
 def needs_baseline(iv: InterventionConfig) -> bool:
@@ -515,36 +484,15 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"probe.{e}") from None
     if iv.kind == "shrink":
         raise ConfigError(f"intervention.kind 'shrink' was replaced by {REPLACED['intervention.shrink']}")
-    need(iv.kind in INTERVENTIONS, f"intervention.kind must be one of {INTERVENTIONS}, got {iv.kind!r}")
-    need(iv.on in CONTROL_TARGETS, f"intervention.on must be one of {CONTROL_TARGETS}, got {iv.on!r}")
     need(iv.reference in REFERENCES, f"intervention.reference must be one of {REFERENCES}, got {iv.reference!r}")
     need(iv.mode in CONTROL_MODES, f"intervention.mode must be one of {CONTROL_MODES}, got {iv.mode!r}")
-    need(
-        iv.kind != "contract" or 0 < iv.ratio < 1,
-        f"intervention.ratio must be in (0, 1) for contract, got {iv.ratio}",
-    )
-    need(iv.kind != "expand" or iv.ratio > 1, f"intervention.ratio must be > 1 for expand, got {iv.ratio}")
-    need(iv.ratio > 0, f"intervention.ratio must be positive, got {iv.ratio}")
-    need(
-        iv.kind not in BASELINE_KINDS or iv.reference == "baseline",
-        f"intervention.kind = {iv.kind!r} is relative to the none run: it needs intervention.reference = 'baseline'",
-    )
-    need(
-        not iv.match_scale or iv.kind not in ("none", "temperature"),
-        f"intervention.match_scale applies to a shape-changing kind, not {iv.kind!r}",
-    )
-    need(
-        not iv.match_row_std or iv.kind in ("shape", "hold", "contract", "expand"),
-        f"intervention.match_row_std applies to a shape-changing kind, not {iv.kind!r}",
-    )
     need(
         not (iv.match_row_std and iv.match_scale),
         "intervention.match_row_std (closed loop) and match_scale (open loop) exclude each other",
     )
-    need(
-        not iv.match_row_std or iv.reference == "baseline",
-        "intervention.match_row_std tracks the none run: it needs intervention.reference = 'baseline'",
-    )
+    arm = Arm.of(iv)
+    problem = check_arm(arm.kind, arm.on, arm.ratio, arm.matching, iv.reference)
+    need(problem is None, str(problem))
     need(iv.floor >= 1, f"intervention.floor must be >= 1 (a PR), got {iv.floor}")
     need(
         iv.control_seqs >= 0, f"intervention.control_seqs must be >= 0 (0 = the probe's first 4), got {iv.control_seqs}"

@@ -8,6 +8,10 @@ class QKGeomError(Exception):
     """Bad input or a refused operation (one line, exit 2); the message names the problem."""
 
 
+class ConfigError(QKGeomError, ValueError):
+    """A configuration that cannot be used; the message names the offending key/value."""
+
+
 def read_text(path, error: type[QKGeomError] = QKGeomError) -> str:
     """The UTF-8 text of a file the user gave (a config, a sweep, a text sample, a vocabulary); a file
     in another encoding is bad input (`error`, one line naming the file and the byte), not a bug."""

@@ -9,20 +9,11 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis.rows import claim_row
+from qkgeom.arms import Arm
 
-# Pre-registered directions (configs/study-intervention-*.toml, study-causal-cpu.toml): each arm's
-# intended effect on its mediator and predicted effect on attention entropy, by kind.
-PREDICTED_SIGN = {"contract": -1, "expand": +1, "hold": +1}
-# The activation-side mediator a manipulation must move before its outcome is read: the key
-# activations for a control on W_K, the logit (Q K^T) spectrum for a control on W_Q W_K^T.
-# The causal v3 kinds (study-causal-shape-cpu) steer the key activations' PR (`activation`) or the
-# input-weighted logit scale (`logit`) directly.
-CHECK_MEDIATOR = {
-    "key": "key_participation_ratio",
-    "interaction": "logit_participation_ratio",
-    "activation": "key_participation_ratio",
-    "logit": "input_logit_scale",
-}
+# The kinds, their check mediators (CHECK_MEDIATOR), intended moves and predicted signs on attention
+# entropy (the pre-registered directions of configs/study-intervention-*.toml, study-causal-*.toml)
+# are one table: qkgeom.arms.KINDS. Every mediator a causal table checks, with its label:
 MEDIATORS = (
     ("key_weight_participation_ratio", "weight PR_K"),
     ("key_participation_ratio", "activation PR_K"),
@@ -42,25 +33,22 @@ MATCHED_ARM = "hold:key"
 
 def parse_arm(arm: str) -> tuple[str, str, float]:
     """`contract:key:0.6` -> (contract, key, 0.6); `hold:key` -> (hold, key, 1.0); `none` -> (none, key, 1.0);
-    a `:matched` suffix (matched logit scale) is dropped: is_matched() reads it."""
-    parts = [p for p in arm.split(":") if p not in ("matched", "closed")]
-    return parts[0], parts[1] if len(parts) > 1 else "key", float(parts[2]) if len(parts) > 2 else 1.0
+    `shape:activation:0.8:closed` -> (shape, activation, 0.8): the matching is is_matched()'s."""
+    a = Arm.parse(arm)
+    return a.kind, a.target, a.ratio
 
 
 def arm_signs(arm: str) -> tuple[int, int, str]:
     """(intended sign of the arm's move on its check mediator, predicted sign of its effect on attention
-    entropy, the check mediator). A lower temperature (ratio < 1) lowers the logit scale and raises
-    entropy; the other kinds move both the same way."""
-    kind, on, ratio = parse_arm(arm)
-    if kind in ("shape", "temperature"):
-        s = 1 if ratio > 1 else -1
-        return s, (s if kind == "shape" else -s), CHECK_MEDIATOR[on]
-    return PREDICTED_SIGN[kind], PREDICTED_SIGN[kind], CHECK_MEDIATOR[on]
+    entropy, the check mediator), from its kind's row of qkgeom.arms.KINDS: a lower temperature (ratio
+    < 1) lowers the logit scale and raises entropy; the other kinds move both the same way."""
+    a = Arm.parse(arm)
+    return a.move, a.predicted, a.check
 
 
 def is_matched(arm: str) -> bool:
     """Whether the arm ran at matched logit scale (intervention.match_scale, or match_row_std: `:closed`)."""
-    return arm.endswith((":matched", ":closed"))
+    return Arm.parse(arm).matching != ""
 
 
 def claim_id(arm: str, ref: str, what: str) -> str:

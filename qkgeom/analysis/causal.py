@@ -24,11 +24,9 @@ import pandas as pd
 
 from qkgeom.analysis import stats
 from qkgeom.analysis.arms import (  # noqa: F401 (the arm vocabulary, read by the report as causal.TARGET, ...)
-    CHECK_MEDIATOR,
     LABEL,
     MATCHED_ARM,
     MEDIATORS,
-    PREDICTED_SIGN,
     SCALE_MARGIN,
     TARGET,
     arm_signs,
@@ -40,6 +38,7 @@ from qkgeom.analysis.arms import (  # noqa: F401 (the arm vocabulary, read by th
 from qkgeom.analysis.claims import layer_metric, transient_ends, window
 from qkgeom.analysis.rows import claim_row, rows_table, seed_row
 from qkgeom.analysis.runs import INSTANT_METRIC
+from qkgeom.arms import CHECK_MEDIATOR, Arm
 
 SHAPE_DOSE_CLAIM = "dose-response at matched logit scale: slope of attention entropy on log activation PR_K"
 
@@ -257,8 +256,7 @@ def _log_paired(df: pd.DataFrame, metric: str, arm: str) -> pd.Series:
 def _delivered_dose_row(df: pd.DataFrame, arm: str, metric: str, note: str) -> list[dict]:
     """The dose the arm delivered: log(arm / none) of its steered metric, beside the assigned log ratio
     (2 log ratio for the logit scale, a mean square)."""
-    kind, _, ratio = parse_arm(arm)
-    assigned = (2 if kind == "temperature" else 1) * np.log(ratio)
+    assigned = Arm.parse(arm).assigned_dose
     r = _direction_row(
         _log_paired(df, metric, arm),
         f"{arm} - none: delivered dose, log {LABEL[metric]} ratio (assigned {assigned:+.3f})",

@@ -42,6 +42,7 @@ from qkgeom.analysis.causal import seed_window_note, with_seed_window
 from qkgeom.analysis.claims import window
 from qkgeom.analysis.rows import rows_table, seed_row
 from qkgeom.analysis.runs import INSTANT_METRIC
+from qkgeom.arms import Arm
 
 SHAM = "shape:activation:1:closed"  # the sham arm's label (config.arm_label)
 ROW_STD_TARGET = "logit_row_std_target"  # logged by the closed loop for its controlled heads
@@ -70,9 +71,8 @@ def predicted_signs(arm: str) -> tuple[int, int]:
     """(intended sign of the arm's dose on per-head activation PR_K vs sham, predicted sign of its
     attention-entropy change): restricting (ratio < 1) lowers both, widening (> 1) and holding the
     initial dispersion raise both (the paper's directions)."""
-    kind, _, ratio = parse_arm(arm)
-    s = -1 if kind == "shape" and ratio < 1 else +1
-    return s, s
+    a = Arm.parse(arm)
+    return a.move, a.predicted
 
 
 def layer_means(df: pd.DataFrame, metric: str) -> pd.Series:

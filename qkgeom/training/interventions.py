@@ -62,6 +62,7 @@ import torch
 
 from qkgeom import config as C
 from qkgeom import device as D
+from qkgeom.arms import CHECK_MEDIATOR, KINDS
 from qkgeom.config import InterventionConfig
 from qkgeom.errors import QKGeomError
 from qkgeom.probing.geometry import interaction_singular_values, participation_ratio, singular_values
@@ -87,7 +88,7 @@ ROW_STD_METRIC = "logit_row_std"  # what match_row_std tracks (the none run's pe
 ROW_STD_SEQS = 4  # control_seqs = 0: the probe sequences the closed loop fits on (v4 as first registered)
 CONTROL_ROW_STD_METRIC = "logit_row_std_control"  # control_seqs > 0: the per-head row std on the control set
 # ... for the kinds that act through the data, by kind
-KIND_METRIC = {"shape": "key_participation_ratio", "temperature": "input_logit_scale"}
+KIND_METRIC = {k: CHECK_MEDIATOR[v.shows] for k, v in KINDS.items() if v.shows}  # shape, temperature (qkgeom.arms)
 FLOOR_METRIC = "key_participation_ratio_floor_raised"
 
 
