@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from qkgeom import config as C
+from qkgeom.studies import records_dir, studies_help, sweep_study
 
 EXAMPLES = """examples:
   qkgeom train tiny                                  train the tiny preset into runs/train/<run-id>
@@ -21,54 +22,6 @@ EXAMPLES = """examples:
   qkgeom pretrained EleutherAI/pythia-70m --family pythia --every 10
   qkgeom export runs/train/<run-id> --out runs/hf/mine && qkgeom pretrained runs/hf/mine --all-revisions
 """
-
-
-def describe_study(path: Path) -> str:
-    """One line about a study file, generated from it (so --help always agrees with configs/):
-    its run count, base preset, fixed settings, and what its grid varies (seeds, arms, values)."""
-    import math
-    import tomllib
-
-    spec = tomllib.loads(path.read_text())
-    grid, fixed = spec.get("grid", {}), spec.get("set", {})
-    parts = []
-    for key, values in grid.items():
-        if "intervention.kind" in key:
-            names = key.split(",")
-            arms = [dict(zip(names, v, strict=True)) for v in values]
-            labels = [a["intervention.kind"] if a["intervention.kind"] in ("none", "hold") else
-                      f"{a['intervention.kind']} {a.get('intervention.on', 'key')} {a.get('intervention.ratio', 1):g}"
-                      for a in arms]  # fmt: skip
-            parts.append(f"{len(values)} arms ({', '.join(labels)})")
-        elif "seed" in key:
-            parts.append(f"{len(values)} seeds")
-        elif "," in key:  # keys varied together: one setting per value tuple
-            sets = ", ".join("/".join(map(str, v)) for v in values)
-            parts.append(f"{len(values)} settings of {'/'.join(k.split('.')[-1] for k in key.split(','))} ({sets})")
-        else:
-            parts.append(f"{key.split('.')[-1]} in {values}")
-    n_runs = math.prod(len(v) for v in grid.values())
-
-    def shown(v):  # a long list (kept checkpoint steps) as its ends and length
-        return f"[{v[0]}, {v[1]}, ..., {v[-1]}] ({len(v)})" if isinstance(v, list) and len(v) > 6 else v
-
-    settings = ", ".join(
-        f"{k.split('.')[-1]}={shown(v)}" for k, v in fixed.items() if not k.startswith("intervention.")
-    )
-    kept = fixed.get("train.checkpoint_steps", [])
-    family = len(kept) >= C.MIN_FAMILY_REVISIONS or fixed.get("train.keep_checkpoints") == "log"
-    return (
-        f"{n_runs} runs on the {spec['sweep'].get('base', '?')} preset: {' x '.join(parts)}"
-        + (f"; {settings}" if settings else "")
-        + ("; each run then read as a checkpoint family" if family else "")
-    )
-
-
-def _studies_help() -> str:
-    lines = ["study presets (generated from configs/study-*.toml):"]
-    for f in sorted(C.CONFIG_DIR.glob("study-*.toml")):
-        lines.append(f"  {f.stem.removeprefix('study-'):<20} {describe_study(f)}")
-    return "\n".join(lines)
 
 
 def _add_output_args(p: argparse.ArgumentParser, default: str) -> None:
@@ -106,110 +59,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sweep(args: argparse.Namespace):
-    from qkgeom.results import RunDir
-    from qkgeom.training.sweep import SweepError, expand, load_sweep, run_sweep
-
-    spec = load_sweep(args.sweep, args.overrides)
-    out = Path(args.out) if args.out else Path(args.runs) / spec.name
-    records = _records_dir(spec)
-    recorded = _recorded(records)
-    if args.dry_run:
-        runs = expand(spec)
-        print(f"{len(runs)} runs -> {out}" + (f" (records: {records})" if records else ""))
-        for r in runs:
-            state = "recorded" if r.run_id in recorded else "done" if RunDir(out / r.run_id).is_done() else "todo"
-            print(f"  [{state}] {r.run_id}  " + " ".join(f"{k}={v}" for k, v in r.overrides.items()))
-        if records:
-            print(_records_eta(runs, recorded, records))
-        return spec, out, None
-    if records is not None:  # an accumulating study: first settle what earlier sittings left
-        _settle_records(spec, out, records)
-        recorded = _recorded(records)
-    res = run_sweep(
-        spec, out, workers=args.workers, progress=not args.no_progress, executor=args.executor,
-        address=args.address, gpus_per_run=args.gpus_per_run, skip=recorded, on_done=_record_writer(out, records),
-    )  # fmt: skip
-    print(
-        f"sweep {spec.name}: {len(res.done)} trained, {len(res.skipped)} already done, "
-        f"{len(res.failed)} failed in {res.seconds:.0f} s -> {out}"
-    )
-    if res.failed and not res.done and not res.skipped:  # nothing to analyse: one line, the cause in it
-        errors = sorted(set(res.failed.values()))
-        more = f" (and {len(errors) - 1} other errors)" if len(errors) > 1 else ""
-        raise SweepError(f"all {len(res.failed)} runs failed: {errors[0]}{more}; what they wrote is kept in {out}")
-    for rid, err in res.failed.items():
-        print(f"  FAILED {rid}: {err}", file=sys.stderr)
-    return spec, out, res
-
-
-def _records_dir(spec) -> Path | None:
-    """Where a study that accumulates across sessions keeps its records ([analysis] records, from the checkout)."""
-    from qkgeom.config import REPO_ROOT
-
-    rel = spec.analysis.get("records")
-    return REPO_ROOT / rel if rel else None
-
-
-def _recorded(records: Path | None) -> set[str]:
-    if records is None:
-        return set()
-    from qkgeom.analysis.records import recorded_runs
-
-    return recorded_runs(records)
-
-
-def _settle_records(spec, out: Path, records: Path) -> None:
-    """Before an accumulating study trains: its manifest in the records folder (the [analysis] every
-    record is stamped with), a killed record write's temp folder removed, the records checked against
-    the pre-registration, and a record written for every run that finished without one."""
-    from qkgeom.analysis.prereg import check_records
-    from qkgeom.analysis.records import clean_temp, record_missing, restore_baselines
-    from qkgeom.training.sweep import expand, write_manifest
-
-    runs = expand(spec)
-    check_records(records, spec.analysis)  # every check first: a refused sitting changes nothing
-    records.mkdir(parents=True, exist_ok=True)
-    write_manifest(spec, runs, records)
-    for d in clean_temp(records):
-        print(f"removed {d} (a record write that was killed)", file=sys.stderr)
-    for d in record_missing(out, records, [r.run_id for r in runs]):
-        print(f"recorded {d.name} (finished earlier without its record)", file=sys.stderr)
-    needs = {r.run_id: Path(r.config.intervention.baseline).name for r in runs if r.config.intervention.baseline}
-    for d in restore_baselines(out, records, needs):
-        print(f"restored {d.name} from its record (the baseline of runs still to train)", file=sys.stderr)
-
-
-def _record_writer(out: Path, records: Path | None):
-    """on_done for a study with records: each finished run's record at once (then commit it)."""
-    if records is None:
-        return None
-    from qkgeom.analysis.records import write_record
-    from qkgeom.results import RECORDS_DIR
-
-    return lambda run_id: write_record(out / run_id, records / RECORDS_DIR)
-
-
-def _records_eta(runs, recorded: set[str], records: Path) -> str:
-    """done / to do / estimated time, from the step times measured in the recorded runs."""
-    from qkgeom.analysis.records import measured_seconds
-
-    per_step = measured_seconds(records)  # seconds per step, by (n_layers, batch tokens)
-    todo = [r for r in runs if r.run_id not in recorded]
-    known = [per_step.get((r.config.model.n_layers, r.config.train.batch_size * r.config.model.n_ctx)) for r in todo]
-    eta = sum(k * r.config.train.steps for k, r in zip(known, todo, strict=True) if k)
-    unknown = sum(k is None for k in known)
-    return (
-        f"recorded {len(recorded)} / {len(runs)}; to do {len(todo)} runs, "
-        f"~{eta / 3600:.1f} h of one worker at the measured step times"
-        + (f" (+{unknown} runs of an unmeasured shape)" if unknown else "")
-        + "; two workers on two cores take about half that"
-    )
-
-
 def cmd_sweep(args: argparse.Namespace) -> int:
     """`qkgeom sweep`: a grid of runs; exit 1 if any run failed."""
-    _, _, res = _sweep(args)
+    _, _, res = sweep_study(args)
     return 1 if res is not None and res.failed else 0
 
 
@@ -248,12 +100,11 @@ def _ladder(path: str | Path, report: bool = False) -> bool:
 
     if not is_ladder(path):
         return False
+    _, table, _, _ = ladder_tables(path)
     if report:
         from qkgeom.report.study import write_ladder_report
 
-        _, table, page = write_ladder_report(path)
-    else:
-        _, table, _, _ = ladder_tables(path)
+        page = write_ladder_report(path)
     print(format_verdict_table(table))
     print(
         f"\nwrote {Path(path) / 'claims.csv'}, {Path(path) / 'verdicts.csv'}" + (f"; report: {page}" if report else "")
@@ -313,11 +164,13 @@ def cmd_amend(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """`qkgeom report`: the HTML report of a study, a run, a ladder or a `qkgeom pretrained` folder."""
+    from qkgeom.analysis.families import family_tables
     from qkgeom.report.family import family_study_section, write_family_report
     from qkgeom.report.study import write_report
     from qkgeom.results import is_pretrained_output
 
     if is_pretrained_output(args.dir):  # a model or checkpoint family from `qkgeom pretrained`
+        family_tables(args.dir)  # judged and written, then drawn
         print(f"report: {write_family_report(args.dir)}")
         return 0
     if _ladder(args.dir, report=True):
@@ -333,10 +186,10 @@ def cmd_study(args: argparse.Namespace) -> int:
     from qkgeom.report.family import family_study_section
     from qkgeom.report.study import write_report
 
-    spec, out, res = _sweep(args)
+    spec, out, res = sweep_study(args)
     if res is None:  # --dry-run
         return 0
-    records = _records_dir(spec)
+    records = records_dir(spec)
     if records is not None:  # an accumulating study: it is analysed from all its committed records
         from qkgeom.training.sweep import expand, write_manifest
 
@@ -384,6 +237,7 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
     pc = load_pretrained(args.config, overrides)
     from transformers.utils import logging as hf_logging
 
+    from qkgeom.analysis.families import family_tables
     from qkgeom.families.revisions import run_pretrained
     from qkgeom.report.family import write_family_report
 
@@ -392,7 +246,8 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
     slug = pc.model.strip("/").replace("/", "__")
     out = Path(args.out) if args.out else Path(args.runs) / "pretrained" / slug
     folders = run_pretrained(pc, out, args.executor, args.address, progress=not args.no_progress)
-    report = write_family_report(out, pc.early_max_step)
+    family_tables(out, pc.early_max_step)  # judged and written, then drawn
+    report = write_family_report(out)
     print(f"{len(folders)} revision(s) of {pc.model} -> {out}\nreport: {report}")
     return 0
 
@@ -515,7 +370,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sweep -> analyze -> report in one command",
         description="Run a study preset or sweep file end to end (sweep -> analyze -> report); it ends with the "
         "verdict table and the report's path.",
-        epilog=_studies_help(),
+        epilog=studies_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     _add_sweep_args(p)

@@ -71,6 +71,7 @@ RECORDS_DIR = "runs"  # a committed study's per-run records: docs/results/<study
 REPORT_DIR, REPORT_INDEX = "report", "index.html"  # a study's, run's or family's report folder and page
 # a family folder (`qkgeom pretrained`) and a family study's tables
 REVISIONS_CSV, TRENDS_CSV = "revisions.csv", "trends.csv"
+FAMILY_FACTS = "family_facts.json"  # a family's early window and the revisions left out (families.revisions)
 FAMILY_SEEDS_CSV, FAMILY_CLAIMS_CSV = "family_seeds.csv", "family_claims.csv"
 FAMILY_PARQUET = "family.parquet"  # one tidy dataset of a family: checkpoint x layer x head x metric
 

@@ -134,7 +134,7 @@ def _load(path: str | Path, reader, allowed: tuple[str, ...] = ()) -> pd.DataFra
         if is_pretrained_output(path):
             raise AnalysisError(
                 f"{path} holds `qkgeom pretrained` results, not training runs: render them with "
-                f"`qkgeom report {path}`, or read them with qkgeom.families.revisions.load_family"
+                f"`qkgeom report {path}`, or read them with qkgeom.analysis.families.load_family"
             )
         raise AnalysisError(f"no finished runs under {path}")
     check_one_design(configs, path, allowed)

@@ -26,7 +26,7 @@ from qkgeom.analysis import primary as P
 from qkgeom.analysis import robustness as R
 from qkgeom.analysis.prereg import study_analysis
 from qkgeom.analysis.shown import Shown, shown
-from qkgeom.results import SWEEP_MANIFEST, read_json, write_table
+from qkgeom.results import SWEEP_MANIFEST, read_json, write_json, write_table
 
 # a family study's headline rows (families.study's F1-F4), by (claim_id, group, window)
 FAMILY_HEADLINE = {
@@ -57,6 +57,8 @@ class Analysis:
     matched_dose: pd.DataFrame | None = None  # causal v4: per (layer, arm) dose and entropy vs sham, 95% t
     blind: str = ""  # an incomplete study's outcomes hidden: "k of n seeds recorded; primary outcome hidden"
     shown: Shown | None = None  # context, spectral tables, a single run's table (analysis.shown)
+    verdict_table: pd.DataFrame | None = None  # verdicts(claims): what verdicts.csv holds
+    headline: pd.DataFrame | None = None  # an intervention study's one row per arm (causal.headline)
 
     @property
     def claims_path(self) -> Path:
@@ -130,6 +132,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
         slope_depth=A.slope_by_depth(per_run) if len(per_run) else None, dose_points=points, dose_slopes=fits,
         dose_summary=causal.dose_summary(fits) if fits is not None and len(fits) else None,
         matched_dose=tables.get("matched_dose"), blind=blind, shown=extra_tables,
+        verdict_table=verdicts(claims), headline=causal.headline(claims),
     )  # fmt: skip
 
 
@@ -271,11 +274,13 @@ def verdicts_ladder(claims: pd.DataFrame) -> pd.DataFrame:
 
 
 LADDER_TABLE = "ladder_key_slopes"
+LADDER_FACTS = "ladder_facts.json"  # what the ladder's page says of it: runs, planned, seeds, budgets, skipped
 
 
 def ladder_tables(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict]:
     """A token ladder's claims (analysis.ladder) with the pre-registration's margin and Holm family,
-    written as claims.csv, verdicts.csv and ladder_key_slopes.csv beside the runs (or their records).
+    written as claims.csv, verdicts.csv, ladder_key_slopes.csv and ladder_facts.json beside the runs (or
+    their records): everything the ladder's page (report.study.write_ladder_report) reads.
     Returns (claims, verdict table, local-slope summary, facts for the page: runs, planned, seeds,
     budgets, skipped-run warnings)."""
     from qkgeom.analysis import ladder as L
@@ -307,4 +312,5 @@ def ladder_tables(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.Data
         "budgets": sorted(g["budget_m"].unique()),
         "skipped": sorted({str(w.message) for w in caught if issubclass(w.category, A.RunWarning)}),
     }
+    write_json(path / LADDER_FACTS, {**facts, "budgets": [float(b) for b in facts["budgets"]]})
     return claims, table, summary, facts

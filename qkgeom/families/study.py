@@ -8,7 +8,7 @@ checkpoint family per seed, through the Hugging Face path, and judged across see
 
 Per seed (a run): Spearman rho of the paired contrast PR_Q - PR_K (layer mean, token level) against
 log(1 + step) in the early window (step <= early_max_step) and in the late one, and the across-heads
-Spearman rho of interaction rank with attention entropy at every revision (qkgeom.families.revisions.family_trends).
+Spearman rho of interaction rank with attention entropy at every revision (qkgeom.analysis.families.family_trends).
 Across seeds: mean, 95% t-interval, mde_80 and a verdict by the sign rule. Both stages resume: a
 revision already analysed (done.json) is skipped.
 """
@@ -22,19 +22,19 @@ import numpy as np
 import pandas as pd
 
 from qkgeom import config as C
-from qkgeom.analysis.records import FAMILY_RECORD
-from qkgeom.analysis.rows import CLAIM_COLUMNS, claim_row, numeric_columns, seed_row
-from qkgeom.analysis.runs import run_folders
-from qkgeom.families.config import PretrainedConfig
-from qkgeom.families.revisions import (
+from qkgeom.analysis.families import (
     CONTRAST_SLOPE,
     CONTRAST_TREND,
     HEADS_LINK,
     WITHIN_LAYER_LINK,
     family_trends,
     load_family,
-    run_pretrained,
 )
+from qkgeom.analysis.records import FAMILY_RECORD
+from qkgeom.analysis.rows import CLAIM_COLUMNS, claim_row, numeric_columns, seed_row
+from qkgeom.analysis.runs import run_folders
+from qkgeom.families.config import PretrainedConfig
+from qkgeom.families.revisions import run_pretrained
 from qkgeom.results import (
     FAMILY_CLAIMS_CSV,
     FAMILY_SEEDS_CSV,

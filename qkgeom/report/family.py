@@ -11,26 +11,32 @@ from pathlib import Path
 
 import pandas as pd
 
-from qkgeom.analysis import spectral
 from qkgeom.report import plots
 from qkgeom.report.study import figure_html, png_bytes, write_page
 from qkgeom.results import (
     FAMILY_CLAIMS_CSV,
+    FAMILY_FACTS,
     FAMILY_SEEDS_CSV,
     REPORT_DIR,
+    REVISIONS_CSV,
+    TRENDS_CSV,
     atomic_write_bytes,
-    write_table,
+    read_json,
 )
 
 
-def write_family_report(path: str | Path, early_max_step: int | None = None) -> Path:
-    """report/index.html of a checkpoint family, drawn from the tables families.revisions.family_tables
-    writes (revisions.csv, trends.csv, family.parquet: the tidy dataset).
-    early_max_step: the early window's end; by default the one the family was analysed with."""
-    from qkgeom.families.revisions import family_tables
+def write_family_report(path: str | Path) -> Path:
+    """report/index.html of a checkpoint family or one model, drawn from what analysis.families.family_tables
+    wrote (revisions.csv, trends.csv, energy_ranks.csv, family_facts.json; one model: headline.csv,
+    layers.csv) and the measured rows of its revisions."""
+    from qkgeom.analysis.families import load_family
 
     path = Path(path)
-    geometry, revs, trends, left_out, early_max_step = family_tables(path, early_max_step)
+    geometry = load_family(path)[0]
+    revs = pd.read_csv(path / REVISIONS_CSV, keep_default_na=False, na_values=[""])
+    revs["flag"] = revs["flag"].fillna("")
+    trends, facts = pd.read_csv(path / TRENDS_CSV), read_json(path / FAMILY_FACTS)
+    left_out, early_max_step = facts["left_out"], facts["early_max_step"]
     for why in left_out:
         print(f"warning: revision left out of {path.name}: {why}", file=sys.stderr)
     out = path / REPORT_DIR
@@ -48,9 +54,9 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
     figures = []
     if geometry["step"].ge(0).any():
         figures.append(("family_contrast", plots.family_contrast(geometry, revs), "PR_Q - PR_K per layer against step"))
-    for rev in list(revs["revision"])[-1:] if len(revs) > 1 else list(revs["revision"]):
+    for rev in list(revs["revision"])[-1:]:
         figures.append(("model_heads", plots.model_heads(geometry, rev), f"{rev}: per layer and per head"))
-        ranks = _energy_ranks(path, geometry, rev)
+        ranks = _energy_ranks(path)
         if len(ranks):
             title = f"{rev}: weight rank against realised rank (energy_ranks.csv)"
             figures.append(("energy_ranks", plots.energy_ranks(ranks, rev), title))
@@ -76,22 +82,20 @@ def write_family_report(path: str | Path, early_max_step: int | None = None) -> 
 
 def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) -> Path:
     """One model (one revision): a headline, a compact per-layer table and the per-head figure."""
-    from qkgeom.families.revisions import layer_table, model_headline
-
     info, rev = revs.iloc[0], revs["revision"].iloc[0]
     name = f"{info['model']}" + (f" @ {rev}" if rev != "main" else "")
     png = png_bytes(plots.model_heads(geometry, rev))
     atomic_write_bytes(path / "report" / "model_heads.png", png)
-    ranks = _energy_ranks(path, geometry, rev)
+    ranks = _energy_ranks(path)
     parts = [
         f"<h1>model: {html.escape(name)}</h1>",
         f"<p>{int(info['n_tokens']):,} tokens of text; the logit-spectrum rows (logit PR) are averages over the first "
         f"{int(info['logit_seqs'])} sequences only (a sample: each needs T &times; T eigen-solves).</p>",
         "<h2>Headline</h2>",
-        model_headline(geometry, rev).to_html(index=False, escape=True),
+        pd.read_csv(path / "headline.csv", keep_default_na=False).to_html(index=False, escape=True),
         figure_html("model_heads", png, "Per layer and per head"),
         "<h2>Per-layer values</h2>",
-        layer_table(geometry, rev).to_html(index=False, float_format=lambda v: f"{v:.3g}"),
+        pd.read_csv(path / "layers.csv").to_html(index=False, float_format=lambda v: f"{v:.3g}"),
     ]
     if len(ranks):
         rank_png = png_bytes(plots.energy_ranks(ranks, name))
@@ -107,12 +111,10 @@ def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) 
     return write_page(path / "report", f"qkgeom model: {name}", parts)
 
 
-def _energy_ranks(path: Path, geometry: pd.DataFrame, revision: str) -> pd.DataFrame:
-    """The energy-rank table of one revision, also written as energy_ranks.csv in the family folder."""
-    ranks = spectral.energy_ranks(geometry[geometry["revision"] == revision])
-    if len(ranks):
-        write_table(path, "energy_ranks", ranks.assign(revision=revision))
-    return ranks
+def _energy_ranks(path: Path) -> pd.DataFrame:
+    """The last revision's energy-rank table (energy_ranks.csv, analysis.families.family_tables)."""
+    f = path / "energy_ranks.csv"
+    return pd.read_csv(f).drop(columns="revision") if f.is_file() else pd.DataFrame()
 
 
 def family_study_section(path: str | Path) -> list[str]:

@@ -16,11 +16,10 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis import causal
-from qkgeom.analysis import claims as A
 from qkgeom.analysis.context import context_sentence
+from qkgeom.analysis.rows import PARAMETRIC_ONLY
 from qkgeom.analysis.shown import run_folder
-from qkgeom.analysis.study import CAUSAL_GROUPS, LADDER_TABLE, Analysis, ladder_tables, verdicts
+from qkgeom.analysis.study import CAUSAL_GROUPS, LADDER_FACTS, LADDER_TABLE, Analysis
 from qkgeom.report import plots
 from qkgeom.report.layout import tidy
 from qkgeom.results import (
@@ -46,7 +45,7 @@ def verdicts_html(table: pd.DataFrame) -> str:
     head = "".join(f"<th>{html.escape(str(c))}</th>" for c in table.columns)
     body = []
     for row in table.itertuples(index=False):
-        colour = VERDICT_COLOURS.get(row.verdict.removesuffix(A.PARAMETRIC_ONLY), "#fff")
+        colour = VERDICT_COLOURS.get(row.verdict.removesuffix(PARAMETRIC_ONLY), "#fff")
         cells = "".join(f"<td>{html.escape(str(v))}</td>" for v in row)
         body.append(f"<tr style='background:{colour}'>{cells}</tr>")
     return f"<table class='verdicts'><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
@@ -180,14 +179,14 @@ def _provenance(a: Analysis) -> pd.DataFrame:
 def verdict_section(a: Analysis) -> list[str]:
     """The verdicts. An intervention study leads with one row per arm (check, outcome, verdict) and
     the causal estimates; its per-mediator verdict rows are folded below."""
-    table = verdicts(a.claims)
+    table = a.verdict_table
     if not a.is_intervention:
         return [verdicts_html(table)]
     causal_rows = table[table["group"].isin(CAUSAL_GROUPS) | table["window"].str.contains("loss-matched")]
     main = table[table["group"] == "all"]  # the none runs' own claims, when the study has a grid of them
     return [
         "<h3>Per arm: manipulation check, then the outcome</h3>",
-        verdicts_html(causal.headline(a.claims)),
+        verdicts_html(a.headline),
         "<h3>Causal estimates</h3>",
         verdicts_html(causal_rows),
         *([verdicts_html(main)] if len(main) else []),
@@ -363,11 +362,12 @@ def _write_run_report(a: Analysis) -> Path:
     return write_page(out, f"qkgeom run: {a.path.name}", parts)
 
 
-def write_ladder_report(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, Path]:
-    """A token ladder's tables (analysis.study.ladder_tables) and its page: report/ladder_key_slopes.png
-    and report/index.html. Returns (claims, verdict table, page)."""
+def write_ladder_report(path: str | Path) -> Path:
+    """A token ladder's page, report/ladder_key_slopes.png and report/index.html, drawn from the tables
+    analysis.study.ladder_tables wrote (verdicts.csv, ladder_key_slopes.csv, ladder_facts.json)."""
     path = Path(path)
-    claims, table, summary, facts = ladder_tables(path)
+    table = pd.read_csv(path / "verdicts.csv", keep_default_na=False, dtype=str)
+    summary, facts = pd.read_csv(path / f"{LADDER_TABLE}.csv"), read_json(path / LADDER_FACTS)
     out = path / "report"
     out.mkdir(parents=True, exist_ok=True)
     png = png_bytes(plots.ladder_slopes(summary))
@@ -385,4 +385,4 @@ def write_ladder_report(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, P
         ),
         *(f"<p class='warn'>{html.escape(s)}</p>" for s in facts["skipped"]),
     ]
-    return claims, table, write_page(out, f"ladder {path.name}", parts)
+    return write_page(out, f"ladder {path.name}", parts)

@@ -17,7 +17,7 @@ RESULTS = REPO / "docs" / "results"
 # committed studies with records: the tables each must re-derive byte-identical, and its primary ids
 REDERIVED = {
     "ladder-cpu": (
-        ("claims.csv", "verdicts.csv", "ladder_key_slopes.csv", "robustness.csv", "per_layer.csv"),
+        ("claims.csv", "verdicts.csv", "ladder_key_slopes.csv", "robustness.csv", "per_layer.csv", "ladder_facts.json"),
         ["L1", "L2", "L3", "L4"],
     ),
     "study-keys-cpu": (("claims.csv", "verdicts.csv", "per_layer.csv", "robustness.csv"), ["P1"]),
