@@ -43,6 +43,7 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
     import pandas as pd
 
     from qkgeom.probing import probe as P
+    from qkgeom.probing import weights as W
     from qkgeom.probing.alpha import power_law_alphas
 
     conv = P.DEFAULT_CONVENTIONS
@@ -72,13 +73,13 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
         acc.spectra()
         t0 = tick("solves", t0)
         fitted = []
-        real_fill = P._fill_alphas
-        P._fill_alphas = lambda pending, convention: fitted.append((pending, convention))
+        real_fill = W._fill_alphas
+        W._fill_alphas = lambda pending, convention: fitted.append((pending, convention))
         try:
             w_v, w_o = P.gpt_value_output(model)
             w_rows, _ = P.weight_geometry(*P.gpt_weights(model), w_v=w_v, w_o=w_o, conventions=conv)
         finally:
-            P._fill_alphas = real_fill
+            W._fill_alphas = real_fill
         t0 = tick("weights", t0)
         for pending, convention in fitted:
             power_law_alphas([ev for _, ev in pending], convention=convention)

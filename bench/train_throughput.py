@@ -49,8 +49,11 @@ from common import require_wikitext  # noqa: E402
 from qkgeom import config as C  # noqa: E402
 from qkgeom.analysis import stats  # noqa: E402
 from qkgeom.training.data import batch_offsets, gather, load_corpus  # noqa: E402
-from qkgeom.training.loop import cpu_bf16_attention, lr_at, train  # noqa: E402
-from qkgeom.training.precision import attention_path  # noqa: E402
+from qkgeom.training.loop import lr_at, train  # noqa: E402
+from qkgeom.training.precision import (
+    attention_path,  # noqa: E402
+    cpu_bf16_attention,  # noqa: E402
+)
 
 
 class PlainBlock(nn.Module):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from qkgeom.report import family_plots as fp
 from qkgeom.report import plots
 from qkgeom.report.study import figure_html, png_bytes, write_page
 from qkgeom.results import (
@@ -53,9 +54,9 @@ def write_family_report(path: str | Path) -> Path:
     ]
     figures = []
     if geometry["step"].ge(0).any():
-        figures.append(("family_contrast", plots.family_contrast(geometry, revs), "PR_Q - PR_K per layer against step"))
+        figures.append(("family_contrast", fp.family_contrast(geometry, revs), "PR_Q - PR_K per layer against step"))
     for rev in list(revs["revision"])[-1:]:
-        figures.append(("model_heads", plots.model_heads(geometry, rev), f"{rev}: per layer and per head"))
+        figures.append(("model_heads", fp.model_heads(geometry, rev), f"{rev}: per layer and per head"))
         ranks = _energy_ranks(path)
         if len(ranks):
             title = f"{rev}: weight rank against realised rank (energy_ranks.csv)"
@@ -84,7 +85,7 @@ def _write_model_report(path: Path, geometry: pd.DataFrame, revs: pd.DataFrame) 
     """One model (one revision): a headline, a compact per-layer table and the per-head figure."""
     info, rev = revs.iloc[0], revs["revision"].iloc[0]
     name = f"{info['model']}" + (f" @ {rev}" if rev != "main" else "")
-    png = png_bytes(plots.model_heads(geometry, rev))
+    png = png_bytes(fp.model_heads(geometry, rev))
     atomic_write_bytes(path / "report" / "model_heads.png", png)
     ranks = _energy_ranks(path)
     parts = [
@@ -143,9 +144,9 @@ def family_study_section(path: str | Path) -> list[str]:
         "over seeds. Per-seed values: <code>family_seeds.csv</code>; rows: <code>family_claims.csv</code>.</p>",
     ]
     for name, fig, caption in (
-        ("family_seeds_contrast", plots.family_seeds_contrast(fam, early), "PR_Q - PR_K per layer over each seed's "
+        ("family_seeds_contrast", fp.family_seeds_contrast(fam, early), "PR_Q - PR_K per layer over each seed's "
          "checkpoints; the early window shaded"),
-        ("family_heads_link", plots.heads_link(fam, seeds, FS.HEADS_LINK, _per_step(claims)),
+        ("family_heads_link", fp.heads_link(fam, seeds, FS.HEADS_LINK, _per_step(claims)),
          "Interaction rank vs attention entropy "
          "across heads: per revision (left), and every head at three revisions"),
     ):  # fmt: skip

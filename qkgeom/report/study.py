@@ -20,7 +20,7 @@ from qkgeom.analysis.context import context_sentence
 from qkgeom.analysis.rows import PARAMETRIC_ONLY
 from qkgeom.analysis.shown import run_folder
 from qkgeom.analysis.study import CAUSAL_GROUPS, LADDER_FACTS, LADDER_TABLE, Analysis
-from qkgeom.report import plots
+from qkgeom.report import family_plots, plots
 from qkgeom.report.layout import tidy
 from qkgeom.results import (
     REPORT_INDEX,
@@ -370,7 +370,7 @@ def write_ladder_report(path: str | Path) -> Path:
     summary, facts = pd.read_csv(path / f"{LADDER_TABLE}.csv"), read_json(path / LADDER_FACTS)
     out = path / "report"
     out.mkdir(parents=True, exist_ok=True)
-    png = png_bytes(plots.ladder_slopes(summary))
+    png = png_bytes(family_plots.ladder_slopes(summary))
     atomic_write_bytes(out / f"{LADDER_TABLE}.png", png)
     n_runs, planned = facts["runs"], facts["planned"]
     parts = [

@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import time
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -29,9 +28,9 @@ from qkgeom.probing.scalars import TensorBoardLog
 from qkgeom.results import LAST_CHECKPOINT, RunDir, folder_lock, kept_checkpoint, provenance, read_json, write_json
 from qkgeom.training import complement as K
 from qkgeom.training import interventions as I
-from qkgeom.training.data import Vocab, batch_offsets, cache_dir, fixed_offsets, gather, load_corpus, unigram_baseline
+from qkgeom.training.data import Vocab, batch_offsets, fixed_offsets, gather, load_corpus, unigram_baseline
 from qkgeom.training.model import GPT
-from qkgeom.training.precision import attention_path, choose_cpu_attention
+from qkgeom.training.precision import attention_path, cpu_bf16_attention
 
 
 class TrainingError(QKGeomError, RuntimeError):
@@ -215,26 +214,6 @@ def check_resumable(rd: RunDir, t: C.TrainConfig, schedule: set[int], start: int
                 f"{' ...' if len(missing) > 5 else ''} that the checkpoint at step {start} says happened "
                 "(deleted or damaged); nothing was changed"
             )
-
-
-def cpu_bf16_attention(
-    model: torch.nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], cfg: C.RunConfig,
-    train_data: np.ndarray,
-) -> dict:  # fmt: skip
-    """The attention kernel for bf16 training of `model` on this CPU (training/precision.py), timed on
-    the run's first real batch and cached per machine and shape; warns where bf16 is emulated."""
-    t, m = cfg.train, cfg.model
-    x, y = gather(train_data, batch_offsets(len(train_data), m.n_ctx, t.batch_size, t.data_seed, 0), m.n_ctx)
-    x, y = torch.from_numpy(x), torch.from_numpy(y)
-    shape = f"batch {t.batch_size}x{m.n_ctx}, {m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads"
-    choice = choose_cpu_attention(model, lambda: loss(x, y), shape, cache_dir())
-    if not choice.get("native_bf16", True):
-        warnings.warn(
-            "train.precision = bf16 on a CPU without bf16 arithmetic (no amx_bf16 / avx512_bf16): it is "
-            "emulated here and slower than float32 (train.precision = float32 is faster on this machine)",
-            stacklevel=3,
-        )
-    return choice
 
 
 class _Run:

@@ -15,13 +15,17 @@ import contextlib
 import json
 import platform
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from qkgeom.config import RunConfig
 from qkgeom.results import atomic_write_bytes
+from qkgeom.training.data import batch_offsets, cache_dir, gather
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "math": SDPBackend.MATH}
 CACHE_FILE = "attention_paths.json"
@@ -116,3 +120,23 @@ def choose_cpu_attention(
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(path, json.dumps(known, indent=1, sort_keys=True).encode())
     return {**choice, "cached": False, "machine": key}
+
+
+def cpu_bf16_attention(
+    model: torch.nn.Module, loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], cfg: RunConfig,
+    train_data: np.ndarray,
+) -> dict:  # fmt: skip
+    """The attention kernel for bf16 training of `model` on this CPU (training/precision.py), timed on
+    the run's first real batch and cached per machine and shape; warns where bf16 is emulated."""
+    t, m = cfg.train, cfg.model
+    x, y = gather(train_data, batch_offsets(len(train_data), m.n_ctx, t.batch_size, t.data_seed, 0), m.n_ctx)
+    x, y = torch.from_numpy(x), torch.from_numpy(y)
+    shape = f"batch {t.batch_size}x{m.n_ctx}, {m.n_layers} layers x d_model {m.d_model}, {m.n_heads} heads"
+    choice = choose_cpu_attention(model, lambda: loss(x, y), shape, cache_dir())
+    if not choice.get("native_bf16", True):
+        warnings.warn(
+            "train.precision = bf16 on a CPU without bf16 arithmetic (no amx_bf16 / avx512_bf16): it is "
+            "emulated here and slower than float32 (train.precision = float32 is faster on this machine)",
+            stacklevel=3,
+        )
+    return choice

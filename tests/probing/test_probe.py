@@ -9,6 +9,7 @@ import torch
 from qkgeom.probing import alpha as AL
 from qkgeom.probing import geometry as G
 from qkgeom.probing import probe as P
+from qkgeom.probing import weights as W
 from qkgeom.probing.probe import GeometryAccumulator, QKSnapshot, weight_geometry
 
 
@@ -297,7 +298,7 @@ def test_weight_spectra_solved_together_equal_one_svd_per_matrix(monkeypatch):
     w = [[torch.randn(h, 48, 12, generator=g) * 0.05 for _ in range(3)] for h in (4, 2, 2, 4)]  # GQA: 4 / 2
     w_q, w_k, w_v, w_o = w
     first, _ = weight_geometry(w_q, w_k, w_v=w_v, w_o=w_o)
-    monkeypatch.setattr(P, "_BATCH_ELEMENTS", 600)  # one matrix per chunk
+    monkeypatch.setattr(W, "_BATCH_ELEMENTS", 600)  # one matrix per chunk
     second, _ = weight_geometry(w_q, w_k, w_v=w_v, w_o=w_o)
     a, b = rows_to_dict(first), rows_to_dict(second)
     assert a.keys() == b.keys() and len(a) > 100
@@ -306,7 +307,7 @@ def test_weight_spectra_solved_together_equal_one_svd_per_matrix(monkeypatch):
     pr = (sv**2).sum(-1) ** 2 / (sv**4).sum(-1)
     for h in range(2):
         assert a[(1, h, "key_weight_participation_ratio")] == pytest.approx(float(pr[h]), rel=1e-10)
-    whole = torch.linalg.svdvals(P._whole(w_q[2]).double())
+    whole = torch.linalg.svdvals(W._whole(w_q[2]).double())
     expected = AL.power_law_alpha(whole**2)["alpha"]
     assert math.isfinite(expected) and a[(2, -1, "query_weight_alpha")] == pytest.approx(expected, rel=1e-9)
 

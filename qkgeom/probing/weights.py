@@ -1,0 +1,172 @@
+"""The weight side of a probe: each layer's W_Q, W_K, W_Q W_K^T (and W_V, W_O) per head and whole,
+their singular values solved in batches of one shape (_spectra_of), the rows they give (weight PRs,
+interaction rank and spectral norm, heavy-tail alphas with their convention: weight_geometry), and
+the check that a model's weights are finite (nonfinite_weights). probing.probe measures the
+activations beside it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from qkgeom import device as D
+from qkgeom.config import DEFAULT_CONVENTIONS, Conventions
+from qkgeom.probing import alpha as AL
+from qkgeom.probing import geometry as G
+
+Tensor = torch.Tensor
+
+
+# alpha rows: the heavy-tail exponent of each head's matrix (and, head = -1, of the layer's whole
+# projection), as WeightWatcher reports it; NaN with a note where the fit has too few tail eigenvalues
+ALPHA_METRICS = {
+    "W_Q": "query_weight_alpha",
+    "W_K": "key_weight_alpha",
+    "W_QK": "interaction_alpha",
+    "W_V": "value_weight_alpha",
+    "W_O": "output_weight_alpha",
+}
+
+
+def _alpha_rows(
+    layer: int, name: str, head_sv: Tensor, layer_sv: Tensor | None, site: str
+) -> list[tuple[dict, np.ndarray]]:
+    """alpha rows per head from its singular values (H, E) (eigenvalues of W^T W = s^2), and of the layer's
+    whole matrix from layer_sv (its singular values), each beside the spectrum to fit: the caller fits
+    them all in one batch (:func:`_fill_alphas`)."""
+    metric = ALPHA_METRICS[name]
+    spectra = [(h, ev) for h, ev in enumerate(D.to_host(head_sv**2))]
+    if layer_sv is not None:
+        spectra.append((-1, D.to_host(layer_sv**2)))
+    return [({"layer": layer, "head": h, "site": site, "metric": metric, "value": math.nan, "note": ""}, ev)
+            for h, ev in spectra]  # fmt: skip
+
+
+def _fill_alphas(pending: list[tuple[dict, np.ndarray]], convention: str) -> None:
+    """Each row's value the alpha of its spectrum under `convention`; its note names the convention,
+    and the fit's reason where alpha is NaN."""
+    fits = AL.power_law_alphas([ev for _, ev in pending], convention=convention)
+    for (row, _), fit in zip(pending, fits, strict=True):
+        row["value"], row["note"] = fit["alpha"], AL.alpha_note(convention, fit["reason"])
+
+
+def weight_geometry(
+    w_q: list[Tensor],
+    w_k: list[Tensor],
+    site: str = "none",
+    w_v: list[Tensor] | None = None,
+    w_o: list[Tensor] | None = None,
+    conventions: Conventions = DEFAULT_CONVENTIONS,
+) -> tuple[list[dict], dict[str, np.ndarray]]:
+    """Weight-side rows and spectra. w_q[l]: (H_q, D, E), w_k[l]: (H_kv, D, E) per layer; optionally
+    w_v[l] (H_kv, D, E) and w_o[l] (H_q, D, E) (W_O^h transposed: the rows of W_O that head h writes).
+
+    Rows per head: query/key weight PR (PR of squared singular values of W_Q^h, W_K^h),
+    interaction rank and effective rank of W_Q^h (W_K^h)^T, its spectral norm; and layer means.
+    The heavy-tail exponent alpha (ALPHA_METRICS) of W_Q^h, W_K^h, W_Q^h W_K^h^T (and W_V^h, W_O^h if
+    given) per head, and of each layer's whole W_Q, W_K (W_V, W_O) at head = -1; NaN with a note
+    where a fit is not possible (too few tail eigenvalues, an all-zero or rank-one matrix, NaN/Inf).
+    PRs and alphas under `conventions`; each such row's note names its convention.
+    """
+    pr_convention = conventions.pr
+    rows: list[dict] = []
+    alphas: list[tuple[dict, np.ndarray]] = []  # rows waiting for their alpha, fitted together at the end
+
+    def add_alphas(li: int, name: str, head_sv: Tensor, layer_sv: Tensor | None) -> None:
+        pending = _alpha_rows(li, name, head_sv, layer_sv, site)
+        rows.extend(row for row, _ in pending)
+        alphas.extend(pending)
+
+    sq, sk, sqk = [], [], []
+    given = {"W_Q": w_q, "W_K": w_k} | {n: ws for n, ws in (("W_V", w_v), ("W_O", w_o)) if ws is not None}
+    per_layer = [dict(zip(given, ws, strict=True)) for ws in zip(*given.values(), strict=True)]
+    mats = [m for layer in per_layer for w in layer.values() for m in (w, _whole(w))]
+    solved = iter(_spectra_of(mats))  # every layer's per-head and whole matrices, solved together
+    svs = [{name: (next(solved), next(solved)) for name in layer} for layer in per_layer]
+    for li, (wq, wk) in enumerate(zip(w_q, w_k, strict=True)):
+        group = wq.shape[0] // wk.shape[0]
+        sv_q, sv_k = svs[li]["W_Q"][0], svs[li]["W_K"][0]  # (H, E)
+        sv_qk = G.interaction_singular_values(wq, wk.repeat_interleave(group, dim=0))
+        metrics = {
+            "query_weight_participation_ratio": G.participation_ratio_as(sv_q**2, pr_convention),
+            "key_weight_participation_ratio": G.participation_ratio_as(sv_k**2, pr_convention),
+            "interaction_rank": G.participation_ratio_as(sv_qk**2, pr_convention),
+            "interaction_effective_rank": G.effective_rank(sv_qk**2),
+            "interaction_spectral_norm": sv_qk[:, 0],
+            "interaction_energy_rank90": G.energy_rank(sv_qk),  # beside the data's logit_energy_rank90
+        }
+        per_head = [D.host_list(v) for v in metrics.values()]  # query and key heads differ in number (GQA)
+        means = D.host_list(torch.stack([v.mean() for v in metrics.values()]))  # each mean as before
+        for name, vals, mean in zip(metrics, per_head, means, strict=True):
+            extra = {"note": G.pr_note(pr_convention)} if G.is_pr_metric(name) else {}
+            for h, v in enumerate(vals):
+                rows.append({"layer": li, "head": h, "site": site, "metric": name, "value": float(v)} | extra)
+            rows.append({"layer": li, "head": -1, "site": site, "metric": name, "value": float(mean)} | extra)
+        add_alphas(li, "W_Q", sv_q, svs[li]["W_Q"][1])
+        add_alphas(li, "W_K", sv_k, svs[li]["W_K"][1])
+        add_alphas(li, "W_QK", sv_qk, None)
+        for name in ("W_V", "W_O"):
+            if name in svs[li]:  # the same spectral rows as W_Q, W_K: PR and alpha
+                sv, whole = svs[li][name]
+                pr = G.participation_ratio_as(sv**2, pr_convention)
+                metric = ALPHA_METRICS[name].replace("alpha", "participation_ratio")
+                note = {"note": G.pr_note(pr_convention)}
+                rows += [{"layer": li, "head": h, "site": site, "metric": metric, "value": float(v)} | note
+                         for h, v in enumerate(D.host_list(pr))]  # fmt: skip
+                rows.append(
+                    {"layer": li, "head": -1, "site": site, "metric": metric, "value": D.host_float(pr.mean())} | note
+                )
+                add_alphas(li, name, sv, whole)
+        for kept, sv in ((sq, sv_q), (sk, sv_k), (sqk, sv_qk)):
+            kept.append(D.to_host(sv))
+    _fill_alphas(alphas, conventions.alpha)
+    spectra = {
+        "W_Q_singular_values": np.stack(sq),
+        "W_K_singular_values": np.stack(sk),
+        "W_QK_singular_values": np.stack(sqk),
+    }
+    return rows, spectra
+
+
+_BATCH_ELEMENTS = 2**23  # matrices solved together hold at most this many entries (64 MB in float64)
+
+
+def _spectra_of(mats: list[Tensor]) -> list[Tensor]:
+    """Singular values (G.gram_singular_values) of each batch of matrices (..., m, n) in `mats`, those of
+    one matrix shape solved in one batched eigen-solve (instead of one per batch: 2x cheaper for the
+    cpu preset's weight side, and split over the CPU's threads), up to _BATCH_ELEMENTS at a time so a
+    large pretrained model's float64 copies stay bounded."""
+    out: list[Tensor | None] = [None] * len(mats)
+    groups: dict[tuple[int, int], list[list[int]]] = {}
+    filled: dict[tuple[int, int], int] = {}  # entries in each shape's open chunk
+    for i, m in enumerate(mats):
+        shape = (m.shape[-2], m.shape[-1])
+        chunks = groups.setdefault(shape, [[]])
+        if chunks[-1] and filled[shape] + m.numel() > _BATCH_ELEMENTS:
+            chunks.append([])
+            filled[shape] = 0
+        chunks[-1].append(i)
+        filled[shape] = filled.get(shape, 0) + m.numel()
+    for idxs in (c for chunks in groups.values() for c in chunks):
+        flat = [mats[i].reshape(-1, *mats[i].shape[-2:]) for i in idxs]
+        sv = G.gram_singular_values(torch.cat(flat))
+        for i, part in zip(idxs, sv.split([f.shape[0] for f in flat]), strict=True):
+            out[i] = part.reshape(*mats[i].shape[:-2], -1)
+    return out  # type: ignore[return-value]
+
+
+def _whole(w: Tensor) -> Tensor:
+    """Per-head (H, D, E) -> the layer's whole projection (D, H*E)."""
+    return w.permute(1, 0, 2).reshape(w.shape[1], -1)
+
+
+def nonfinite_weights(model: torch.nn.Module) -> str | None:
+    """The first parameter of `model` holding NaN or inf, described ("name: 1 NaN, 0 inf of 1024"), or None."""
+    for name, p in model.named_parameters():
+        finite = torch.isfinite(p)
+        if not finite.all():
+            n_nan = int(torch.isnan(p).sum())
+            return f"{name}: {n_nan} NaN, {int((~finite).sum()) - n_nan} inf of {p.numel()}"
+    return None
