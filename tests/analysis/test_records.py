@@ -292,31 +292,32 @@ def test_a_refused_sitting_changes_nothing_and_amend_registers_the_edit(tmp_path
 
 
 def test_a_study_without_records_is_pinned(tmp_path, capsys, monkeypatch):
-    """causal-cpu has no records: cutting a primary from its study file changed VERDICTS.md silently. Its
-    pin (preregistration_pin.json: the pre-registration's and claims.csv's digests) now makes verdicts
-    refuse an edited study file or claims.csv in one line; an unpinned study with primaries is refused."""
+    """causal-cpu had no records: cutting a primary from its study file changed VERDICTS.md silently. A
+    study's pin (preregistration_pin.json: the pre-registration's and claims.csv's digests; family-cpu's
+    here) makes verdicts refuse an edited study file or claims.csv in one line; an unpinned study with
+    primaries is refused."""
     from qkgeom import config as C
 
     root = tmp_path / "results"
-    shutil.copytree(RESULTS / "study-causal-cpu", root / "study-causal-cpu")
+    shutil.copytree(RESULTS / "study-family-cpu", root / "study-family-cpu")
     configs = tmp_path / "configs"
     shutil.copytree(C.CONFIG_DIR, configs)
     monkeypatch.setattr(C, "CONFIG_DIR", configs)
     assert main(["verdicts", str(root)]) == 0
     capsys.readouterr()
-    study = configs / "study-causal-cpu.toml"
+    study = configs / "study-family-cpu.toml"
     original = study.read_text()
     study.write_text(original.replace("primary = [", "primary = [  # one cut\n", 1))
     assert main(["verdicts", str(root)]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "study-causal-cpu.toml" in err and "changed" in err, err
+    assert err.count("\n") == 1 and "study-family-cpu.toml" in err and "changed" in err, err
     study.write_text(original)
-    claims = root / "study-causal-cpu" / "claims.csv"
+    claims = root / "study-family-cpu" / "claims.csv"
     claims.write_text(claims.read_text().replace("holds", "fails", 1))
     assert main(["verdicts", str(root)]) == 2
     assert "claims.csv changed after the study was pinned" in capsys.readouterr().err
-    shutil.copy(RESULTS / "study-causal-cpu" / "claims.csv", claims)
-    (root / "study-causal-cpu" / "preregistration_pin.json").unlink()
+    shutil.copy(RESULTS / "study-family-cpu" / "claims.csv", claims)
+    (root / "study-family-cpu" / "preregistration_pin.json").unlink()
     assert main(["verdicts", str(root)]) == 2
     assert "is not pinned" in capsys.readouterr().err
 
