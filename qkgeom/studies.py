@@ -139,13 +139,13 @@ def settle_records(spec, out: Path, records: Path) -> None:
 
 
 def record_writer(out: Path, records: Path | None):
-    """on_done for a study with records: each finished run's record at once (then commit it)."""
+    """on_done for a study with records: each finished run's record at once (a family study's run with its
+    family measured first: families.study.record_run), then commit it."""
     if records is None:
         return None
-    from qkgeom.analysis.records import write_record
-    from qkgeom.results import RECORDS_DIR
+    from qkgeom.families.study import record_run
 
-    return lambda run_id: write_record(out / run_id, records / RECORDS_DIR)
+    return lambda run_id: record_run(out / run_id, records)
 
 
 def records_eta(runs, recorded: set[str], records: Path) -> str:

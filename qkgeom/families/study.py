@@ -86,27 +86,42 @@ def analyse_families(
     """Export every run's kept checkpoints and analyse each run as a family; {run_id: analysis folder}.
     A study record that carries its family (analysis.records: family/<revision>/) is read as it is.
     settings: further PretrainedConfig fields (n_tokens, seq_len, ...; defaults: configs/pretrained.toml)."""
+    return {run.name: _measure_family(path, run, early_max_step, progress, **settings) for run in family_runs(path)}
+
+
+def _measure_family(path: str | Path, run: Path, early_max_step: int, progress: bool, **settings) -> Path:
+    """One run measured as a family under `path`/family/<run>/ (its kept checkpoints exported, then read
+    through `qkgeom pretrained --all-revisions`; both resume), or its record's family/ as it is."""
     from qkgeom.families.export import export_run
 
-    out = {}
-    for run in family_runs(path):
-        if (run / FAMILY_RECORD).is_dir():
-            out[run.name] = run / FAMILY_RECORD
-            continue
-        if not (run / "checkpoints").is_dir():
-            raise DamagedRunError(
-                f"{run} kept no checkpoints and no family measurements (a record written before its family "
-                "was measured): delete it and run the study again to re-train that run"
-            )
-        base = Path(path) / FAMILY_DIR / run.name
-        export, analysis = base / "export", base / "analysis"
-        kept = read_json(RunDir(run).config)["kept_checkpoints"]
-        if not all((export / revision_name(s) / "config.json").is_file() for s in kept):
-            export_run(run, export)
-        pc = PretrainedConfig(model=str(export), all_revisions=True, early_max_step=early_max_step, **settings)
-        run_pretrained(pc, analysis, progress=progress, label=run.name)
-        out[run.name] = analysis
-    return out
+    if (run / FAMILY_RECORD).is_dir():
+        return run / FAMILY_RECORD
+    if not (run / "checkpoints").is_dir():
+        raise DamagedRunError(
+            f"{run} kept no checkpoints and no family measurements (a record written before its family "
+            "was measured): delete it and run the study again to re-train that run"
+        )
+    base = Path(path) / FAMILY_DIR / run.name
+    export, analysis = base / "export", base / "analysis"
+    kept = read_json(RunDir(run).config)["kept_checkpoints"]
+    if not all((export / revision_name(s) / "config.json").is_file() for s in kept):
+        export_run(run, export)
+    pc = PretrainedConfig(model=str(export), all_revisions=True, early_max_step=early_max_step, **settings)
+    run_pretrained(pc, analysis, progress=progress, label=run.name)
+    return analysis
+
+
+def record_run(run: str | Path, results: str | Path, progress: bool = False, **settings) -> Path:
+    """A finished run's record under `results`/runs/, written as the run finishes: for a run that kept a
+    family's checkpoints, measured as a family first (while its checkpoints exist) and kept in it, so a
+    sitting that ends early loses no run. settings: as analyse_families. Returns the record."""
+    from qkgeom.analysis.records import write_record
+
+    run, dest = Path(run), Path(results) / RECORDS_DIR
+    if len(read_json(RunDir(run).config).get("kept_checkpoints", [])) < C.MIN_FAMILY_REVISIONS:
+        return write_record(run, dest)
+    family = _measure_family(run.parent, run, settings.pop("early_max_step", C.EARLY_MAX_STEP), progress, **settings)
+    return write_record(run, dest, family=family)
 
 
 def record_families(runs: str | Path, results: str | Path, progress: bool = True, **settings) -> list[Path]:

@@ -153,6 +153,9 @@ def test_a_family_study_keeps_its_families_in_its_records(tmp_path):
     records = FS.record_families(out, study, progress=False, **small)
     assert len(records) == 2 and all(len(list((r / "family").iterdir())) >= 8 for r in records)
     assert not list(study.rglob("spectra.npz")) and not list(study.rglob("*.pt"))
+    # as a sitting writes it when the run finishes (studies.record_writer): the same sealed record
+    one = FS.record_run(out / records[0].name, tmp_path / "at-once", **small)
+    assert (one / "seal.json").read_text() == (records[0] / "seal.json").read_text()
     full = FS.analyze_study(out).claims
     shutil.rmtree(out)  # the next session: no run folders, no checkpoints, only the records
     assert FS.analyse_families(study, progress=False) == {r.name: r / "family" for r in records}
