@@ -8,7 +8,6 @@ import torch
 
 from qkgeom.probing import alpha as AL
 from qkgeom.probing import geometry as G
-from qkgeom.probing import probe as P
 from qkgeom.probing import weights as W
 from qkgeom.probing.probe import GeometryAccumulator, QKSnapshot, weight_geometry
 
