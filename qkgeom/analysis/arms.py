@@ -70,11 +70,11 @@ def control_rows(df: pd.DataFrame) -> list[dict]:
         both = target.merge(achieved, on=keys, suffixes=("_target", ""))
         both = both[both["step"] > 0]
         for arm, g in both.groupby("intervention_target"):
-            kind = arm.split(":")[0]
+            rule = Arm.parse(arm).spec.ratio  # a one-sided control: a ceiling below 1, a floor above it
             rel = (g["value"] - g["value_target"]) / g["value_target"]
-            if kind == "contract":
+            if rule == "below 1":
                 err, what = rel.clip(lower=0).max(), "largest excess above the ceiling"
-            elif kind == "expand":
+            elif rule == "above 1":
                 err, what = (-rel).clip(lower=0).max(), "largest shortfall below the floor"
             else:
                 err, what = rel.abs().max(), "max relative error"

@@ -292,7 +292,7 @@ def temperature_rows(df: pd.DataFrame, note: str) -> list[dict]:
     """The scale path: per temperature arm, attention entropy change per unit delivered log logit factor
     (half the log ratio of the logit scale), Fieller's interval over seeds; predicted < 0."""
     rows = []
-    for arm in sorted(a for a in df["intervention"].unique() if parse_arm(a)[0] == "temperature"):
+    for arm in sorted(a for a in df["intervention"].unique() if parse_arm(a)[1] == "logit"):  # scale kinds
         ent = _paired(arm_means(df, "attention_entropy"), arm)
         dose = 0.5 * _log_paired(df, "input_logit_scale", arm)
         both = pd.concat({"ent": ent, "dose": dose}, axis=1).dropna()
@@ -402,7 +402,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
                 r[0]["verdict"] = "manipulation ok" if check_ok else "manipulation failed"
                 r[0]["claim"] += " (the check)"
             rows += r
-        if kind in ("shape", "temperature"):
+        if Arm.parse(arm).spec.relative:  # a kind steering a measured quantity: its delivered dose
             rows += _delivered_dose_row(df, arm, check, note)
         if is_matched(arm):
             scale = _scale_check_row(df, arm, note)

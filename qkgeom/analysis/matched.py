@@ -149,8 +149,8 @@ def dose_check(pr: pd.Series, arm: str, layer: int, note: str) -> dict | None:
     if v.empty:
         return None
     sign, _ = predicted_signs(arm)
-    kind, _, ratio = parse_arm(arm)
-    assigned = f" (assigned {np.log(ratio):+.3f})" if kind == "shape" else ""
+    _, target, ratio = parse_arm(arm)
+    assigned = f" (assigned {np.log(ratio):+.3f})" if target == "activation" else ""
     row = _row(v, f"{arm} - sham: delivered dose, log per-head activation PR_K{assigned}",
                claim_id(arm, "sham", "delivered_dose:key_participation_ratio"), layer, sign, note)  # fmt: skip
     row["verdict"] = "manipulation ok" if row["verdict"] == "holds" else "manipulation failed"
@@ -225,7 +225,7 @@ def reference_rows(
             if not v.empty:
                 cid = claim_id("none", "sham", f"{slug}:under_control")
                 rows.append(_row(v, f"none - sham: {what}, being under the control", cid, layer, None, note))
-    for arm in sorted(a for a in df["intervention"].unique() if parse_arm(a)[0] == "temperature"):
+    for arm in sorted(a for a in df["intervention"].unique() if parse_arm(a)[1] == "logit"):  # scale kinds
         for layer in sorted(df.loc[df["head"] >= 0, "layer"].unique()):  # the scale calibration, per layer
             for what, slug, v in (
                 ("attention entropy (nats)", "attention_entropy", paired(ent, arm, "none", layer)),
