@@ -70,8 +70,13 @@ CLAIM_IDS = {
 def family_runs(path: str | Path) -> list[Path]:
     """The finished runs under `path` that kept at least C.MIN_FAMILY_REVISIONS checkpoints; [] if any
     finished run kept fewer (then the study is not a family study)."""
-    runs = [d for d in run_folders(path) if RunDir(d).is_done()]
-    kept = [len(read_json(RunDir(d).config).get("kept_checkpoints", [])) for d in runs]
+    runs, kept = [], []
+    for d in (d for d in run_folders(path) if RunDir(d).is_done()):
+        try:
+            kept.append(len(read_json(RunDir(d).config).get("kept_checkpoints", [])))
+        except (OSError, DamagedRunError):  # a damaged run: analyze names it and skips it
+            continue
+        runs.append(d)
     return runs if runs and min(kept) >= C.MIN_FAMILY_REVISIONS else []
 
 
