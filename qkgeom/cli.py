@@ -182,7 +182,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 def cmd_study(args: argparse.Namespace) -> int:
     """`qkgeom study`: sweep, analyze and report; an accumulating study is analysed from its records."""
     from qkgeom.analysis.study import format_verdicts
-    from qkgeom.families.study import analyse_families, is_family_study, record_families
+    from qkgeom.families.study import analyse_families, is_family_study
     from qkgeom.report.family import family_study_section
     from qkgeom.report.study import write_report
 
@@ -193,8 +193,6 @@ def cmd_study(args: argparse.Namespace) -> int:
     if records is not None:  # an accumulating study: it is analysed from all its committed records
         from qkgeom.training.sweep import expand, write_manifest
 
-        if is_family_study(out):  # each run's family measured while its checkpoints exist, kept in its record
-            record_families(out, records, progress=not args.no_progress)
         write_manifest(spec, expand(spec), records)
         out = records
     if is_family_study(out):  # runs that kept log-spaced checkpoints: each read as a checkpoint family

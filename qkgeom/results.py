@@ -68,6 +68,7 @@ LOCK_FILE = ".lock"
 SWEEP_MANIFEST = "sweep.json"
 LAST_CHECKPOINT = "last.pt"  # a run's resume point under checkpoints/
 RECORDS_DIR = "runs"  # a committed study's per-run records: docs/results/<study>/runs/<run_id>/
+FAMILY_RECORD = "family"  # a family study record's measurements: family/<revision>/ (analysis.records)
 REPORT_DIR, REPORT_INDEX = "report", "index.html"  # a study's, run's or family's report folder and page
 # a family folder (`qkgeom pretrained`) and a family study's tables
 REVISIONS_CSV, TRENDS_CSV = "revisions.csv", "trends.csv"

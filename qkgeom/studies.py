@@ -131,7 +131,9 @@ def settle_records(spec, out: Path, records: Path) -> None:
     write_manifest(spec, runs, records)
     for d in clean_temp(records):
         print(f"removed {d} (a record write that was killed)", file=sys.stderr)
-    for d in record_missing(out, records, [r.run_id for r in runs]):
+    from qkgeom.families.study import record_run
+
+    for d in record_missing(out, records, [r.run_id for r in runs], write=record_run):
         print(f"recorded {d.name} (finished earlier without its record)", file=sys.stderr)
     needs = {r.run_id: Path(r.config.intervention.baseline).name for r in runs if r.config.intervention.baseline}
     for d in restore_baselines(out, records, needs):

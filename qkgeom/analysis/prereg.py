@@ -28,7 +28,7 @@ from datetime import date
 from pathlib import Path
 
 from qkgeom.errors import QKGeomError, read_text
-from qkgeom.results import RECORDS_DIR, SWEEP_MANIFEST, RunDir, read_json, write_json
+from qkgeom.results import FAMILY_RECORD, RECORDS_DIR, SWEEP_MANIFEST, RunDir, read_json, write_json
 
 SEAL = "seal.json"  # a record's data digests
 PIN = "preregistration_pin.json"  # a study without records: its pre-registration and claims.csv digests
@@ -195,9 +195,9 @@ def data_seal(folder: Path, run_id: str | None = None) -> dict:
     """What a record's seal holds: its run id (the folder's name) and the sha256 of each SEALED file and
     of each file of its family measurements (family/<revision>/..., a family study's record)."""
     files = {n: _sha((folder / n).read_bytes()) for n in SEALED if (folder / n).is_file()}
-    if (folder / "family").is_dir():
-        files |= {p.relative_to(folder).as_posix(): _sha(p.read_bytes()) for p in sorted((folder / "family").rglob("*"))
-                  if p.is_file()}  # fmt: skip
+    if (folder / FAMILY_RECORD).is_dir():
+        family = sorted(p for p in (folder / FAMILY_RECORD).rglob("*") if p.is_file())
+        files |= {p.relative_to(folder).as_posix(): _sha(p.read_bytes()) for p in family}
     return {"run_id": run_id or folder.name, "files": files}
 
 

@@ -26,16 +26,16 @@ from __future__ import annotations
 import io
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import pandas as pd
 
 from qkgeom.analysis.prereg import digest, record_folders, write_seal
-from qkgeom.results import RECORDS_DIR, RunDir, atomic_write_bytes, read_json, write_json
+from qkgeom.results import FAMILY_RECORD, RECORDS_DIR, RunDir, atomic_write_bytes, read_json, write_json
 from qkgeom.training.data import file_digest, resolve_source
 
 RECORD_TRAIN_ROWS = 200  # training-loss rows kept per run: a loss curve, not every step
-FAMILY_RECORD = "family"  # a record's family measurements: family/<revision>/ (families.study)
 FAMILY_FILES = ("config.json", "geometry.parquet", "done.json")  # what a revision keeps (no spectra)
 
 
@@ -79,7 +79,7 @@ def write_record(run: str | Path, dest: str | Path, family: str | Path | None = 
     info["record"] = {
         "data_sha256": corpus_digest(info.get("config", {})),
         "metrics_rows": {"kept": len(kept), "of": len(rows), "train_rows_at_most": RECORD_TRAIN_ROWS},
-        "dropped": ["spectra.npz", "checkpoints/"],
+        "dropped": ["spectra.npz", "checkpoints/"] + ([f"{FAMILY_RECORD}/*/spectra.npz"] if family else []),
         "preregistration": digest(Path(dest).parent),
     }
     write_json(tmp.config, info)
@@ -94,8 +94,6 @@ def write_record(run: str | Path, dest: str | Path, family: str | Path | None = 
             (tmp.path / FAMILY_RECORD / rev.name).mkdir(parents=True)
             for name in FAMILY_FILES:
                 shutil.copyfile(rev / name, tmp.path / FAMILY_RECORD / rev.name / name)
-        info["record"]["dropped"].append(f"{FAMILY_RECORD}/*/spectra.npz")
-        write_json(tmp.config, info)
     shutil.copyfile(rd.done, tmp.done)  # a record with done.json is whole
     write_seal(tmp.path, rd.path.name)  # sealed by its data, under the name the folder takes next
     if out.path.exists():
@@ -113,12 +111,15 @@ def clean_temp(results: str | Path) -> list[Path]:
     return stale
 
 
-def record_missing(runs: str | Path, results: str | Path, run_ids: list[str]) -> list[Path]:
+def record_missing(
+    runs: str | Path, results: str | Path, run_ids: list[str], write: Callable[[Path, Path], Path] | None = None
+) -> list[Path]:
     """A record under `results`/runs/ for every finished run of `run_ids` under `runs` that has none
-    (a study killed between a run's done.json and its record's write). Returns the records written."""
-    dest = Path(results) / RECORDS_DIR
+    (a study killed between a run's done.json and its record's write). write(run, results): the writer a
+    sitting records finished runs with (default write_record). Returns the records written."""
+    write = write or (lambda run, res: write_record(run, Path(res) / RECORDS_DIR))
     have = recorded_runs(results)
-    return [write_record(Path(runs) / r, dest) for r in run_ids if r not in have and RunDir(Path(runs) / r).is_done()]
+    return [write(Path(runs) / r, Path(results)) for r in run_ids if r not in have and RunDir(Path(runs) / r).is_done()]
 
 
 def recorded_runs(results: str | Path) -> set[str]:

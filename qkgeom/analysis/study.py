@@ -132,7 +132,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
         slope_depth=A.slope_by_depth(per_run) if len(per_run) else None, dose_points=points, dose_slopes=fits,
         dose_summary=causal.dose_summary(fits) if fits is not None and len(fits) else None,
         matched_dose=tables.get("matched_dose"), blind=blind, shown=extra_tables,
-        verdict_table=verdicts(claims), headline=causal.headline(claims),
+        verdict_table=tables["verdicts"], headline=causal.headline(claims),
     )  # fmt: skip
 
 

@@ -30,13 +30,13 @@ from qkgeom.analysis.families import (
     family_trends,
     load_family,
 )
-from qkgeom.analysis.records import FAMILY_RECORD
 from qkgeom.analysis.rows import CLAIM_COLUMNS, claim_row, numeric_columns, seed_row
 from qkgeom.analysis.runs import run_folders
 from qkgeom.families.config import PretrainedConfig
 from qkgeom.families.revisions import run_pretrained
 from qkgeom.results import (
     FAMILY_CLAIMS_CSV,
+    FAMILY_RECORD,
     FAMILY_SEEDS_CSV,
     RECORDS_DIR,
     DamagedRunError,
@@ -127,17 +127,6 @@ def record_run(run: str | Path, results: str | Path, progress: bool = False, **s
         return write_record(run, dest)
     family = _measure_family(run.parent, run, settings.pop("early_max_step", C.EARLY_MAX_STEP), progress, **settings)
     return write_record(run, dest, family=family)
-
-
-def record_families(runs: str | Path, results: str | Path, progress: bool = True, **settings) -> list[Path]:
-    """A family study that keeps records: each finished run under `runs` measured as a family while its
-    checkpoints exist (analyse_families), and its record under `results`/runs/ rewritten whole with that
-    measurement (analysis.records.write_record). settings: as analyse_families. Returns the records."""
-    from qkgeom.analysis.records import write_record
-
-    dest = Path(results) / RECORDS_DIR
-    measured = analyse_families(runs, progress=progress, **settings)
-    return [write_record(Path(runs) / r, dest, family=f) for r, f in measured.items()]
 
 
 def early_max_step_of(analysis: Path) -> int:
