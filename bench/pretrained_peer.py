@@ -21,8 +21,11 @@ import numpy as np
 import torch
 from pretrained_throughput import measure
 
+from qkgeom import config as C
 from qkgeom.analysis import stats
 from qkgeom.probing.hf import analyse_model, token_batches
+
+PRETRAINED = C.ProbeSettings.of(4, gram_dtype="float32")  # as configs/pretrained.toml measures
 
 
 def peer_rows(model, batches, n_layers: int, d: int) -> dict[tuple[int, str], float]:
@@ -86,11 +89,11 @@ def main() -> None:
         got["peer"] = peer_rows(model, batches(), cfg.n_layer, cfg.n_embd)
 
     def run_ours() -> None:
-        rows, _ = analyse_model(model, batches(), logit_max_seqs=4)
+        rows, _ = analyse_model(model, batches(), settings=PRETRAINED)
         got["ours"] = rows
 
     peer_rows(model, token_batches(tokens, 256, 8, 2048), cfg.n_layer, cfg.n_embd)  # warm-up: imports, first calls
-    analyse_model(model, token_batches(tokens, 256, 8, 2048))
+    analyse_model(model, token_batches(tokens, 256, 8, 2048), settings=PRETRAINED)
     print(f"GPT-2-small shape, random weights; {args.tokens} tokens, batches of 8 x 256, {args.threads} threads")
     ratios, tps, mem = [], {"peer": [], "ours": []}, {"peer": 0, "ours": 0}
     for _ in range(args.rounds):

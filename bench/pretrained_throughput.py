@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from qkgeom import config as C
 from qkgeom.analysis import stats
 from qkgeom.probing.hf import analyse_model, load_model, token_batches
 
@@ -102,7 +103,10 @@ def main() -> None:
                 plain(input_ids=idx, output_attentions=True)
 
     def run_ours(n: int) -> None:
-        analyse_model(ours, token_batches(tokens, args.seq_len, args.batch_size, n), logit_max_seqs=args.logit_seqs)
+        analyse_model(
+            ours, token_batches(tokens, args.seq_len, args.batch_size, n),
+            settings=C.ProbeSettings.of(args.logit_seqs, gram_dtype="float32"),
+        )  # fmt: skip
 
     run_plain(args.seq_len * args.batch_size)  # warm-up
     run_ours(args.seq_len * args.batch_size)

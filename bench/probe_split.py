@@ -42,11 +42,13 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
     first `cap` sequences, 0: all), in the order probe_gpt runs them (the module docstring names the parts)."""
     import pandas as pd
 
+    from qkgeom import config as C
     from qkgeom.probing import probe as P
     from qkgeom.probing import weights as W
     from qkgeom.probing.alpha import power_law_alphas
 
-    conv = P.DEFAULT_CONVENTIONS
+    settings = C.ProbeSettings.of(cap)
+    conv = settings.conventions
     t: dict[str, float] = {}
 
     def tick(name: str, t0: float) -> float:
@@ -60,7 +62,7 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
     with torch.no_grad():
         snap = P.gpt_snapshot(model, idx)
         t0 = tick("forward", t0)
-        acc = P.GeometryAccumulator(logit_max_seqs=cap or None, conventions=conv)
+        acc = P.GeometryAccumulator(settings=settings)
         mask = snap.token_mask
         for i, (q, k, pat) in enumerate(zip(snap.q, snap.k, snap.pattern, strict=True)):
             B, _, T, _ = q.shape
@@ -93,12 +95,13 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
 def seconds_per_probe(model, idx, cap: int, device: str, reps: int = 3) -> float:
     """One whole probe_gpt call on `model` and `idx` (logit spectra of the first `cap` sequences, 0: all),
     called as the training loop calls it (outside no_grad): the median of `reps` after a warm-up."""
+    from qkgeom import config as C
     from qkgeom.probing.probe import probe_gpt
 
     def once() -> float:
         _sync(device)
         t0 = time.perf_counter()
-        probe_gpt(model, idx, cap or None)
+        probe_gpt(model, idx, C.ProbeSettings.of(cap))
         _sync(device)
         return time.perf_counter() - t0
 

@@ -29,5 +29,5 @@ torch.manual_seed(0)
 m = GPT(cfg.model, 284).eval()
 idx = torch.randint(0, 284, (4, 64))
 with torch.no_grad():
-    P.probe_gpt(m, idx, 4)
+    P.probe_gpt(m, idx, C.ProbeSettings(logit_seqs=4))
 print(sys.argv[1] if len(sys.argv) > 1 else "now", "host transfers per probe (12 layers x 12 heads):", n["calls"])

@@ -46,7 +46,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = GPT(cfg.model, 284).eval()
     idx = torch.randint(0, 284, (C.probe_n_seqs(cfg), cfg.model.n_ctx))
-    rows, spec = probe_gpt(model, idx, cfg.probe.logit_max_seqs)
+    rows, spec = probe_gpt(model, idx, cfg.probe.settings)
     kb = sum(v.nbytes for v in spec.values()) / 1e3
     print(f"one probe: {len(rows)} rows, {kb:.1f} kB of spectra; {args.probes} probes")
     out = {}

@@ -62,9 +62,9 @@ def analyse(
     For other models, read q, k with hooks and call `measure`."""
     import pandas as pd
 
-    from qkgeom.config import Conventions
+    from qkgeom.config import ProbeSettings
     from qkgeom.probing.hf import analyse_model
 
-    conventions = Conventions(pr_convention, alpha_convention)
-    rows, _ = analyse_model(model, iter(batches), logit_max_seqs=logit_max_seqs, conventions=conventions)
+    settings = ProbeSettings.of(logit_max_seqs, pr_convention, alpha_convention)
+    rows, _ = analyse_model(model, iter(batches), settings=settings)
     return pd.DataFrame(rows)

@@ -23,12 +23,15 @@ from qkgeom.errors import ConfigError, read_text
 from qkgeom.settings import (  # noqa: F401 (the config types, C.RunConfig, ...: defined in qkgeom.settings)
     ALPHA_CONVENTIONS,
     DEFAULT_CONVENTIONS,
+    DEFAULT_PROBE,
+    GRAM_DTYPES,
     PR_CONVENTIONS,
     Conventions,
     DataConfig,
     InterventionConfig,
     ModelConfig,
     ProbeConfig,
+    ProbeSettings,
     RunConfig,
     TrainConfig,
 )
@@ -290,9 +293,8 @@ def validate(cfg: RunConfig) -> None:
     need(p.every > 0, f"probe.every must be positive, got {p.every}")
     need(p.n_seqs >= 0, f"probe.n_seqs must be >= 0 (0 = automatic), got {p.n_seqs}")
     need(p.min_tokens_per_dim > 0, f"probe.min_tokens_per_dim must be positive, got {p.min_tokens_per_dim}")
-    need(p.logit_max_seqs >= 0, f"probe.logit_max_seqs must be >= 0 (0 = all), got {p.logit_max_seqs}")
     try:
-        p.conventions  # noqa: B018 - builds and checks the conventions (one door)
+        p.settings  # noqa: B018 - builds and checks the probe settings (one door)
     except ConfigError as e:
         raise ConfigError(f"probe.{e}") from None
     if iv.kind == "shrink":

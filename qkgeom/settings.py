@@ -30,6 +30,57 @@ class Conventions:
 
 
 DEFAULT_CONVENTIONS = Conventions()
+GRAM_DTYPES = ("float32", "float64")
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How a probe measures: the spectral conventions, the sequences whose T x T logit spectrum is
+    taken, and the precision of each batch's centered Gram product. One checked value, built from a
+    run's [probe] or a measurement's [pretrained] (their `.settings`) or from an API call's keywords
+    (`ProbeSettings.of`, the one place where "0 = all" becomes None), and passed whole to the probe,
+    the accumulator and the Hugging Face path."""
+
+    conventions: Conventions = DEFAULT_CONVENTIONS
+    logit_seqs: int | None = 4
+    """The first this many sequences give the logit spectrum (its eigen-solves are a probe's costliest
+    part; a per-sequence average, so a cap widens its noise, adds no bias); None = all."""
+    gram_dtype: str = "float64"
+    """float64, or float32 (half the cost on wide layers; ~1e-6 relative on the spectrum); the
+    running covariances are float64 either way."""
+
+    def __post_init__(self) -> None:
+        if self.logit_seqs is not None and self.logit_seqs < 1:
+            raise ConfigError(f"logit_max_seqs must be >= 0 (0 = all), got {self.logit_seqs}")
+        if self.gram_dtype not in GRAM_DTYPES:
+            raise ConfigError(f"gram_dtype must be one of {GRAM_DTYPES}, got {self.gram_dtype!r}")
+
+    @classmethod
+    def of(
+        cls,
+        logit_max_seqs: int | None = 4,
+        pr_convention: str = "variance",
+        alpha_convention: str = "weightwatcher",
+        gram_dtype: str = "float64",
+    ) -> ProbeSettings:
+        """From the flat fields a config or a call spells out; logit_max_seqs 0 (or None) = all."""
+        if logit_max_seqs is not None and logit_max_seqs < 0:
+            raise ConfigError(f"logit_max_seqs must be >= 0 (0 = all), got {logit_max_seqs}")
+        return cls(Conventions(pr_convention, alpha_convention), logit_max_seqs or None, gram_dtype)
+
+    def logit_count(self, n_seqs: int) -> int:
+        """How many of `n_seqs` probe sequences give the logit spectrum (recorded with every run)."""
+        return n_seqs if self.logit_seqs is None else min(n_seqs, self.logit_seqs)
+
+    @property
+    def torch_gram_dtype(self):  # noqa: ANN201 - torch.dtype (torch is not imported by the config types)
+        """The Gram precision as a torch dtype."""
+        import torch
+
+        return getattr(torch, self.gram_dtype)
+
+
+DEFAULT_PROBE = ProbeSettings()
 
 
 @dataclass(frozen=True)
@@ -138,7 +189,12 @@ class ProbeConfig:
     @property
     def conventions(self) -> Conventions:
         """The spectral conventions of this probe, as one checked value."""
-        return Conventions(self.pr_convention, self.alpha_convention)
+        return self.settings.conventions
+
+    @property
+    def settings(self) -> ProbeSettings:
+        """How this run's probes measure, as one checked value (training probes: float64 Grams)."""
+        return ProbeSettings.of(self.logit_max_seqs, self.pr_convention, self.alpha_convention)
 
 
 @dataclass(frozen=True)

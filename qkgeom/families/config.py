@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkgeom.config import EARLY_MAX_STEP, ConfigError, Conventions, _build, apply_overrides, resolve_preset
+from qkgeom.config import EARLY_MAX_STEP, ConfigError, ProbeSettings, _build, apply_overrides, resolve_preset
 from qkgeom.device import DEVICE_PATTERN
 from qkgeom.errors import read_text
 
@@ -59,9 +59,9 @@ class PretrainedConfig:
     (float64 results within 1e-6 relative, tests/e2e/test_gpu.py), a GPU only faster."""
 
     @property
-    def conventions(self) -> Conventions:
-        """The spectral conventions of this measurement, as one checked value."""
-        return Conventions(self.pr_convention, self.alpha_convention)
+    def settings(self) -> ProbeSettings:
+        """How each revision is measured, as one checked value."""
+        return ProbeSettings.of(self.logit_max_seqs, self.pr_convention, self.alpha_convention, self.gram_dtype)
 
 
 def load_pretrained(path: str | Path | None = None, overrides: list[str] | None = None) -> PretrainedConfig:
@@ -91,13 +91,8 @@ def load_pretrained(path: str | Path | None = None, overrides: list[str] | None 
     )
     need(pc.every >= 1, f"pretrained.every must be >= 1, got {pc.every}")
     need(pc.family in ("", "pythia"), f"pretrained.family must be 'pythia' or empty, got {pc.family!r}")
-    need(pc.logit_max_seqs >= 0, f"pretrained.logit_max_seqs must be >= 0 (0 = all), got {pc.logit_max_seqs}")
     try:
-        pc.conventions  # noqa: B018 - builds and checks the conventions (one door)
+        pc.settings  # noqa: B018 - builds and checks the probe settings (one door)
     except ConfigError as e:
         raise ConfigError(f"pretrained.{e}") from None
-    need(
-        pc.gram_dtype in ("float32", "float64"),
-        f"pretrained.gram_dtype must be float32 or float64, got {pc.gram_dtype!r}",
-    )
     return pc

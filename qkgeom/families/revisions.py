@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from qkgeom import config as C
 
@@ -108,10 +107,7 @@ def analyse_revision(
             "model's tokenizer (pass --tokenizer NAME_OR_FOLDER)"
         )
     batches = token_batches(tokens, seq_len, pc.batch_size, pc.n_tokens, prefix)
-    rows, spectra = analyse_model(
-        model, batches, progress, pc.logit_max_seqs or None, getattr(torch, pc.gram_dtype),
-        conventions=pc.conventions,
-    )  # fmt: skip
+    rows, spectra = analyse_model(model, batches, progress, pc.settings)
     step = step_of(rev)
     tps = tokens_per_step(path)
     n_seqs = min(pc.n_tokens, len(tokens)) // ((seq_len - len(prefix)) * pc.batch_size) * pc.batch_size
@@ -126,7 +122,7 @@ def analyse_revision(
         "n_tokens": n_seqs * seq_len,
         "seq_len": seq_len,
         # the logit spectrum (T x T eigen-solves) is sampled: the first logit_seqs sequences
-        "logit_seqs": min(n_seqs, pc.logit_max_seqs or n_seqs),
+        "logit_seqs": pc.settings.logit_count(n_seqs),
         "start_tokens": list(prefix),  # the model's own special tokens opening every sequence ([] if stripped)
         "provenance": provenance(),
     }

@@ -25,7 +25,7 @@ from safetensors import SafetensorError
 from torch import nn
 
 from qkgeom import device as D
-from qkgeom.config import DEFAULT_CONVENTIONS, Conventions
+from qkgeom.config import DEFAULT_PROBE, ProbeSettings
 from qkgeom.probing.archs import ADD_ARCH_HINT, ARCHS, PretrainedError, arch_of, check_model_type
 from qkgeom.probing.probe import GeometryAccumulator, nonfinite_weights, weight_geometry
 
@@ -283,18 +283,16 @@ def analyse_model(
     model: nn.Module,
     batches: Iterator[Tensor],
     progress: bool = False,
-    logit_max_seqs: int | None = 4,
-    gram_dtype: torch.dtype = torch.float32,
+    settings: ProbeSettings = DEFAULT_PROBE,
     keep: list | None = None,
-    conventions: Conventions = DEFAULT_CONVENTIONS,
 ) -> tuple[list[dict], dict]:
     """Stream batches through `model`; rows (layer, head, site, metric, value) and spectra.
 
     Every token enters the covariances and entropies; the logit-spectrum summary (T x T SVDs,
-    the costly part) uses the first `logit_max_seqs` sequences (None: all). Each batch's centered
-    Gram matrix is formed in `gram_dtype`; means, merges and the running state stay float64.
-    `keep`: a list to receive every attention call's q, k, pattern (and pre-rotary q, k) — for tests.
-    conventions: the PR and alpha conventions (config.Conventions); every such row's note names its own."""
+    the costly part) uses the first `settings.logit_seqs` sequences (None: all). Each batch's centered
+    Gram matrix is formed in `settings.gram_dtype`; means, merges and the running state stay float64.
+    PRs and alphas under `settings.conventions` (every such row's note names its own).
+    `keep`: a list to receive every attention call's q, k, pattern (and pre-rotary q, k) — for tests."""
     from tqdm.auto import tqdm
 
     arch = arch_of(model)
@@ -306,11 +304,11 @@ def analyse_model(
         model.set_attn_implementation(ATTN_IMPL)
     if arch.rotary:
         accs = {
-            "post_rotary": GeometryAccumulator(True, "post_rotary", logit_max_seqs, gram_dtype, conventions),
-            "pre_rotary": GeometryAccumulator(False, "pre_rotary", None, gram_dtype, conventions),
+            "post_rotary": GeometryAccumulator(True, "post_rotary", settings),
+            "pre_rotary": GeometryAccumulator(False, "pre_rotary", settings),
         }
     else:
-        accs = {"none": GeometryAccumulator(True, "none", logit_max_seqs, gram_dtype, conventions)}
+        accs = {"none": GeometryAccumulator(True, "none", settings)}
     body = getattr(model, "base_model", model)  # the LM head's logits are not needed: skip them
     device = next(model.parameters()).device  # batches come from the host; the model may be on a GPU
     with recording(model, accs, keep):
@@ -320,13 +318,13 @@ def analyse_model(
     w_q, w_k = arch.weights(model)
     w_v, w_o = arch.value_output(model)
     w_rows, w_spectra = weight_geometry(
-        w_q, w_k, site="pre_rotary" if arch.rotary else "none", w_v=w_v, w_o=w_o, conventions=conventions
+        w_q, w_k, site="pre_rotary" if arch.rotary else "none", w_v=w_v, w_o=w_o, conventions=settings.conventions
     )
     gains = arch.gains(model)
     if gains is not None:  # q/k-norm models: the same metrics with the norm gains folded into W_Q, W_K
         folded_q = [w * g[:, None, :] for w, g in zip(w_q, gains[0], strict=True)]
         folded_k = [w * g[:, None, :] for w, g in zip(w_k, gains[1], strict=True)]
-        f_rows, f_spectra = weight_geometry(folded_q, folded_k, site="norm_folded", conventions=conventions)
+        f_rows, f_spectra = weight_geometry(folded_q, folded_k, site="norm_folded", conventions=settings.conventions)
         w_rows += f_rows
         w_spectra |= {f"norm_folded_{k}": v for k, v in f_spectra.items()}
     spectra = {

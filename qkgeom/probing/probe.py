@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from qkgeom import device as D
-from qkgeom.config import DEFAULT_CONVENTIONS, Conventions
+from qkgeom.config import DEFAULT_PROBE, ProbeSettings
 from qkgeom.errors import QKGeomError
 from qkgeom.probing import geometry as G
 from qkgeom.probing.weights import ALPHA_METRICS, nonfinite_weights, weight_geometry  # noqa: F401 (part of the probe API)
@@ -76,15 +76,11 @@ class GeometryAccumulator:
         self,
         logit_spectrum: bool = True,
         site: str = "none",
-        logit_max_seqs: int | None = None,
-        gram_dtype: torch.dtype = torch.float64,
-        conventions: Conventions = DEFAULT_CONVENTIONS,
+        settings: ProbeSettings = DEFAULT_PROBE,
     ) -> None:
-        self.conventions = conventions  # every PR row is computed under it and says so in its note
+        self.settings = settings  # every PR row is computed under its conventions and says so in its note
         self.layers: list[_Layer] = []
-        self.gram_dtype = gram_dtype
         self.logit_spectrum = logit_spectrum
-        self.logit_max_seqs = logit_max_seqs  # the logit SVDs are the costly part: cap sequences if set
         self.site = site
 
     def update(self, snap: QKSnapshot) -> None:
@@ -126,10 +122,9 @@ class GeometryAccumulator:
         logit_scale: float = 1.0,
     ) -> None:
         """Everything of update_layer but the logit spectrum: covariances, entropy."""
+        gram = self.settings.torch_gram_dtype
         while len(self.layers) <= layer:
-            self.layers.append(
-                _Layer(G.CovarianceAccumulator(self.gram_dtype), G.CovarianceAccumulator(self.gram_dtype))
-            )
+            self.layers.append(_Layer(G.CovarianceAccumulator(gram), G.CovarianceAccumulator(gram)))
         st = self.layers[layer]
         qr, kr = _rows_of(q, token_mask), _rows_of(k, token_mask)  # (H, N, E)
         st.n_q_heads, st.n_k_heads = qr.shape[0], kr.shape[0]
@@ -142,7 +137,7 @@ class GeometryAccumulator:
     def _update_logits(
         self, layers: list[int], qs: list[Tensor], ks: list[Tensor], causal: bool, mask: Tensor | None, scales: list
     ) -> None:
-        """The logit spectrum of the first sequences (up to logit_max_seqs in all) of each of `layers`;
+        """The logit spectrum of the first sequences (up to settings.logit_seqs in all) of each of `layers`;
         layers of one shape with the same room left are stacked and solved in one batch (same values:
         every statistic is per matrix)."""
         if not self.logit_spectrum or mask is not None:
@@ -150,14 +145,15 @@ class GeometryAccumulator:
         groups: dict[tuple, list[int]] = {}
         for j, layer in enumerate(layers):
             st = self.layers[layer]
-            room = qs[j].shape[0] if self.logit_max_seqs is None else self.logit_max_seqs - st.logit_n
+            cap = self.settings.logit_seqs
+            room = qs[j].shape[0] if cap is None else cap - st.logit_n
             if room > 0:
                 groups.setdefault((min(room, qs[j].shape[0]), qs[j].shape, ks[j].shape), []).append(j)
         for (room, _, _), members in groups.items():
             q = torch.stack([qs[j][:room] for j in members])  # (L, B, H_q, T, E)
             k = torch.stack([ks[j][:room] for j in members])
             k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # each query head with the key head it reads
-            sums = _logit_sums(q, k, causal, self.conventions.pr)
+            sums = _logit_sums(q, k, causal, self.settings.conventions.pr)
             for i, j in enumerate(members):
                 self._add_logits(self.layers[layers[j]], {key: v[i] for key, v in sums.items()}, scales[j], room)
 
@@ -203,7 +199,7 @@ class GeometryAccumulator:
     def rows(self) -> list[dict]:
         """Tidy rows (layer, head, site, metric, value) for everything streamed so far."""
         out: list[dict] = []
-        conv = self.conventions.pr
+        conv = self.settings.conventions.pr
 
         def add(layer: int, head: int, metric: str, value: float) -> None:
             note = (
@@ -373,8 +369,8 @@ def measure(
     """
     import pandas as pd
 
-    conventions = Conventions(pr_convention, alpha_convention)
-    return pd.DataFrame(activation_geometry(q, k, pattern, causal, w_q, w_k, conventions=conventions)[0])
+    settings = ProbeSettings.of(0, pr_convention, alpha_convention)  # one batch handed in: all its sequences
+    return pd.DataFrame(activation_geometry(q, k, pattern, causal, w_q, w_k, settings)[0])
 
 
 def activation_geometry(
@@ -384,8 +380,7 @@ def activation_geometry(
     causal: bool = True,
     w_q: list[Tensor] | None = None,
     w_k: list[Tensor] | None = None,
-    logit_max_seqs: int | None = None,
-    conventions: Conventions = DEFAULT_CONVENTIONS,
+    settings: ProbeSettings = DEFAULT_PROBE,
 ) -> tuple[list[dict], dict[str, np.ndarray]]:
     """measure()'s rows as dicts, with the spectra: checked, detached activations through one
     GeometryAccumulator, plus the weight-side rows when w_q and w_k are given."""
@@ -396,11 +391,11 @@ def activation_geometry(
     qs, ks = layers(q), layers(k)
     pats = layers(pattern) if pattern is not None else [None] * len(qs)
     check_activations(qs, ks, pats)
-    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs, conventions=conventions)
+    acc = GeometryAccumulator(settings=settings)
     acc.update(QKSnapshot(q=qs, k=ks, pattern=pats, causal=causal))
     rows, spectra = acc.rows(), acc.spectra()
     if w_q is not None and w_k is not None:
-        w_rows, w_spectra = weight_geometry(layers(w_q), layers(w_k), conventions=conventions)
+        w_rows, w_spectra = weight_geometry(layers(w_q), layers(w_k), conventions=settings.conventions)
         rows, spectra = rows + w_rows, spectra | w_spectra
     return rows, spectra
 
@@ -433,13 +428,12 @@ def gpt_value_output(model: torch.nn.Module) -> tuple[list[Tensor], list[Tensor]
 def probe_gpt(
     model: torch.nn.Module,
     idx: Tensor,
-    logit_max_seqs: int | None = None,
-    conventions: Conventions = DEFAULT_CONVENTIONS,
+    settings: ProbeSettings = DEFAULT_PROBE,
 ) -> tuple[list[dict], dict[str, np.ndarray]]:
-    """All activation- and weight-side rows and spectra of our GPT on the probe batch; the logit
-    spectrum from the first `logit_max_seqs` sequences (None: all); PRs and alphas under `conventions`."""
-    acc = GeometryAccumulator(logit_max_seqs=logit_max_seqs, conventions=conventions)
+    """All activation- and weight-side rows and spectra of our GPT on the probe batch, measured as
+    `settings` say (the logit spectrum's sequences, the Gram precision, the PR and alpha conventions)."""
+    acc = GeometryAccumulator(settings=settings)
     acc.update(gpt_snapshot(model, idx))
     w_v, w_o = gpt_value_output(model)
-    w_rows, w_spectra = weight_geometry(*gpt_weights(model), w_v=w_v, w_o=w_o, conventions=conventions)
+    w_rows, w_spectra = weight_geometry(*gpt_weights(model), w_v=w_v, w_o=w_o, conventions=settings.conventions)
     return acc.rows() + w_rows, {**acc.spectra(), **w_spectra}

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from qkgeom import device as D
-from qkgeom.config import ConfigError, Conventions
+from qkgeom.config import ConfigError, ProbeSettings
 from qkgeom.errors import QKGeomError
 from qkgeom.probing import archs
 from qkgeom.probing.probe import nonfinite_weights
@@ -166,17 +166,15 @@ class Probe:
     ) -> None:
         if every < 1:
             raise ProbeError(f"every must be a positive number of steps, got {every}")
-        if logit_max_seqs < 0:
-            raise ProbeError(f"logit_max_seqs must be >= 0 (0 = all), got {logit_max_seqs}")
         try:
-            self.conventions = Conventions(pr_convention, alpha_convention)
+            self.settings = ProbeSettings.of(logit_max_seqs, pr_convention, alpha_convention)
         except ConfigError as e:
             raise ProbeError(str(e)) from None
         self.capture = capture
         self.model = _unwrap(model) if capture else readable(model)
         self.kind = "capture" if capture else _kind(self.model)
         self.batch, self.every, self.log_early = _input_ids(batch), every, log_early
-        self.logit_max_seqs, self.steps, self.last_step = logit_max_seqs, steps, -1
+        self.steps, self.last_step = steps, -1
         self.rd = RunDir(out)
         self.tb = TensorBoardLog(tensorboard) if tensorboard else None  # a missing package: refused before the lock
         self.sinks = list(sinks)  # the host's trackers (integrations.trackers): the layer-mean scalars per probe
@@ -223,9 +221,9 @@ class Probe:
                     "log_early": self.log_early,
                     "n_seqs": int(batch.shape[0]),
                     "seq_len": int(batch.shape[1]),
-                    "logit_max_seqs": self.logit_max_seqs,
-                    "pr_convention": self.conventions.pr,
-                    "alpha_convention": self.conventions.alpha,
+                    "logit_max_seqs": self.settings.logit_seqs or 0,
+                    "pr_convention": self.settings.conventions.pr,
+                    "alpha_convention": self.settings.conventions.alpha,
                 },
                 "intervention": {"kind": "none"},
             },
@@ -334,17 +332,12 @@ class Probe:
         model.eval()
         try:
             if self.kind == "gpt":
-                return probe_gpt(model, self.batch.to(device), self.logit_max_seqs or None, self.conventions)
+                return probe_gpt(model, self.batch.to(device), self.settings)
             if self.kind == "capture":
                 return self._captured(model, self.batch.to(device))
             impl = model.config._attn_implementation
             try:
-                return analyse_model(
-                    model,
-                    iter([self.batch.to(device)]),
-                    logit_max_seqs=self.logit_max_seqs or None,
-                    conventions=self.conventions,
-                )
+                return analyse_model(model, iter([self.batch.to(device)]), settings=self.settings)
             finally:
                 if model.config._attn_implementation != impl:
                     model.set_attn_implementation(impl)
@@ -357,7 +350,7 @@ class Probe:
         got = self.capture(model, batch)
         return activation_geometry(
             got["q"], got["k"], got.get("pattern"), got.get("causal", True), got.get("w_q"), got.get("w_k"),
-            self.logit_max_seqs or None, self.conventions,
+            self.settings,
         )  # fmt: skip
 
     def log_metrics(

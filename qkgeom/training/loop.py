@@ -330,7 +330,7 @@ class _Run:
                 "kept_checkpoints": sorted(self.kept),
                 "probe_n_seqs": n_probe,
                 "probe_tokens": n_probe * cfg.model.n_ctx,
-                "probe_logit_seqs": min(n_probe, cfg.probe.logit_max_seqs or n_probe),
+                "probe_logit_seqs": cfg.probe.settings.logit_count(n_probe),
                 "notes": I.notes(cfg.intervention, cfg.model.qk_init),
                 "attention_path": self.attention,  # bf16 on a CPU: the kernel timed fastest here (else null)
             },
@@ -358,9 +358,7 @@ class _Run:
         self.model.eval()
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always", NumericalWarning)
-            rows, spec = probe_gpt(
-                self.model, self.probe_idx, self.cfg.probe.logit_max_seqs or None, self.cfg.probe.conventions
-            )
+            rows, spec = probe_gpt(self.model, self.probe_idx, self.cfg.probe.settings)
         for w in caught:  # a numerical fallback is recorded, never fatal
             self.rd.append_warning({"step": step, "warning": str(w.message)})
         rows += self.control.rows(step)

@@ -48,3 +48,26 @@ def test_unknown_preset():
 def test_orthogonal_needs_room():
     with pytest.raises(C.ConfigError, match="2\\*d_head <= d_model"):
         C.load("tiny", ["model.n_heads=1", "model.qk_init=orthogonal"])
+
+
+def test_probe_settings_are_one_checked_value_with_one_zero_means_all_door():
+    """A run's [probe], a measurement's [pretrained] and an API call's keywords give the same
+    ProbeSettings; "0 = all" becomes None in ProbeSettings.of only; bad values are refused in one line."""
+    from qkgeom.families.config import load_pretrained
+
+    run = C.load("tiny", ["probe.logit_max_seqs=0", "probe.pr_convention='singular'"]).probe.settings
+    assert run == C.ProbeSettings(C.Conventions("singular"), None, "float64")
+    assert run == C.ProbeSettings.of(0, "singular") == C.ProbeSettings.of(None, "singular")
+    assert run.logit_count(7) == 7 and C.ProbeSettings.of(4).logit_count(7) == 4
+    assert C.ProbeSettings.of(4).logit_count(3) == 3
+    pre = load_pretrained(None, ["model=x", "logit_max_seqs=2"]).settings
+    assert pre == C.ProbeSettings(C.DEFAULT_CONVENTIONS, 2, "float32")
+    import torch
+
+    assert pre.torch_gram_dtype is torch.float32 and C.DEFAULT_PROBE.torch_gram_dtype is torch.float64
+    with pytest.raises(C.ConfigError, match=r"^probe.logit_max_seqs must be >= 0 \(0 = all\), got -2$"):
+        C.load("tiny", ["probe.logit_max_seqs=-2"])
+    with pytest.raises(C.ConfigError, match=r"^pretrained.gram_dtype must be one of .* got 'float16'$"):
+        load_pretrained(None, ["model=x", "gram_dtype='float16'"])
+    with pytest.raises(C.ConfigError, match="logit_max_seqs must be >= 0"):
+        C.ProbeSettings(logit_seqs=0)  # None is "all" inside the value: 0 there is a mistake

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from qkgeom import config as C
 from qkgeom.probing import alpha as AL
 from qkgeom.probing import geometry as G
 from qkgeom.probing import weights as W
@@ -141,7 +142,8 @@ def test_gpt_probe_logit_cap_uses_the_first_sequences_only():
     model = GPT(cfg.model, vocab_size=50, seed=0).eval()
     idx = torch.randint(0, 50, (6, cfg.model.n_ctx), generator=torch.Generator().manual_seed(0))
     full, capped, first = (
-        rows_to_dict(probe_gpt(model, i, cap)[0]) for i, cap in ((idx, None), (idx, 2), (idx[:2], None))
+        rows_to_dict(probe_gpt(model, i, C.ProbeSettings(logit_seqs=cap))[0])
+        for i, cap in ((idx, None), (idx, 2), (idx[:2], None))
     )
     assert full.keys() == capped.keys()
     n_logit = 0
@@ -166,7 +168,7 @@ def test_logit_scale_and_row_std_rows_match_direct_computations():
 
     model = GPT(ModelConfig(n_layers=2, d_model=32, n_heads=4, n_ctx=16), 40, seed=3)
     idx = torch.randint(0, 40, (8, 16), generator=torch.Generator().manual_seed(0))
-    r = rows_to_dict(probe_gpt(model, idx)[0])
+    r = rows_to_dict(probe_gpt(model, idx, C.ProbeSettings(logit_seqs=None))[0])  # the row stds of all 8
     names = ["blocks.1.hook_attn_in", "blocks.1.attn.hook_q", "blocks.1.attn.hook_k"]
     with torch.no_grad(), capture(model, names) as store:
         model(idx, explicit=True)
@@ -322,7 +324,8 @@ def test_logit_spectra_of_all_layers_solved_together_equal_one_layer_at_a_time()
         return [torch.randn(B, H, T, E, generator=g) for _ in range(n_layers)]
 
     batches = [(layers(), layers()) for _ in range(2)]
-    together, alone = GeometryAccumulator(logit_max_seqs=5), GeometryAccumulator(logit_max_seqs=5)
+    five = C.ProbeSettings(logit_seqs=5)
+    together, alone = GeometryAccumulator(settings=five), GeometryAccumulator(settings=five)
     support = torch.arange(1, T + 1).expand(B, T)
     for qs, ks in batches:
         together.update(QKSnapshot(q=qs, k=ks, pattern=[None] * n_layers))
