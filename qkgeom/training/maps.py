@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from qkgeom.probing.geometry import input_logit_scale, interaction_singular_values, logit_row_std, triangular_factor
+from qkgeom.probing.geometry import input_logit_scale, logit_row_std, triangular_factor
 
 Tensor = torch.Tensor
 
@@ -49,11 +49,6 @@ def profiles_with_pr(sv: Tensor, target_pr: Tensor) -> Tensor:
     linear = torch.where(qb != 0, -qc / torch.where(qb != 0, qb, torch.ones_like(qb)), torch.zeros_like(qb))
     beta = torch.where(safe, beta, linear).clamp(0.0, 1.0).unsqueeze(-1)
     return torch.sqrt(((1 - beta) * p + beta * end) * norm2)
-
-
-def profile_with_pr(sv: Tensor, target_pr: float) -> Tensor:
-    """Singular values (descending, 1-D) with PR(s'^2) = target_pr and the same norm as sv."""
-    return profiles_with_pr(sv[None], torch.tensor([float(target_pr)], dtype=torch.float64))[0]
 
 
 def hold_profile(sv: Tensor, sv0: Tensor) -> Tensor:
@@ -110,16 +105,6 @@ def interaction_svd(w_q: Tensor, w_k: Tensor) -> tuple[Tensor, ...]:
         pass
     a, s, bh = torch.linalg.svd(m)
     return s, a, bh.transpose(-1, -2), u_q, r_q, u_k, r_k
-
-
-def set_interaction_spectrum(w_q: Tensor, w_k: Tensor, s_new: Tensor | None = None) -> tuple[Tensor, ...]:
-    """The spectrum s of W_Q W_K^T for heads (h, D, E) and, if s_new is given, the new (W_Q, W_K)
-    whose product has singular values s_new and the same singular vectors (split evenly, see the
-    module docstring). Returns (s,) or (s, W_Q', W_K')."""
-    if s_new is None:
-        return (interaction_singular_values(w_q, w_k),)
-    svd = interaction_svd(w_q, w_k)
-    return (svd[0], *_set_interaction(w_q, w_k, svd, s_new))
 
 
 def _set_interaction(w_q: Tensor, w_k: Tensor, svd: tuple[Tensor, ...], s_new: Tensor) -> tuple[Tensor, Tensor]:

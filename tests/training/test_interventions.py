@@ -17,10 +17,24 @@ def pr2(sv):
     return participation_ratio(sv**2).item()
 
 
+def profile_with_pr(sv: torch.Tensor, target_pr: float) -> torch.Tensor:
+    """One head's singular values (descending) with PR(s'^2) = target_pr and the same norm."""
+    return M.profiles_with_pr(sv[None], torch.tensor([float(target_pr)], dtype=torch.float64))[0]
+
+
+def set_interaction_spectrum(w_q: torch.Tensor, w_k: torch.Tensor, s_new: torch.Tensor | None = None) -> tuple:
+    """(s,) the spectrum of W_Q W_K^T of heads (h, D, E); with s_new, (s, W_Q', W_K') whose product has
+    singular values s_new and the same singular vectors (the map the interaction arms apply)."""
+    if s_new is None:
+        return (interaction_singular_values(w_q, w_k),)
+    svd = M.interaction_svd(w_q, w_k)
+    return (svd[0], *M._set_interaction(w_q, w_k, svd, s_new))
+
+
 @pytest.mark.parametrize("target", [1.0, 1.7, 3.0, 5.5, 8.0])
 def test_profile_with_pr_hits_target_and_keeps_norm(target):
     sv = torch.linspace(3, 0.5, 8, dtype=torch.float64)  # PR(s^2) ~ 4.9
-    new = M.profile_with_pr(sv, target)
+    new = profile_with_pr(sv, target)
     assert pr2(new) == pytest.approx(target, rel=1e-9)
     assert new.norm().item() == pytest.approx(sv.norm().item(), rel=1e-12)
     assert torch.all(new[:-1] >= new[1:] - 1e-12)  # still sorted
@@ -28,7 +42,7 @@ def test_profile_with_pr_hits_target_and_keeps_norm(target):
 
 def test_profile_with_pr_identity_at_own_pr():
     sv = torch.tensor([2.0, 1.0, 0.5], dtype=torch.float64)
-    assert torch.allclose(M.profile_with_pr(sv, pr2(sv)), sv)
+    assert torch.allclose(profile_with_pr(sv, pr2(sv)), sv)
 
 
 def test_hold_profile_and_schedule():
@@ -71,9 +85,9 @@ def test_interaction_control_closed_form(target):
     # unselected heads and layers are untouched
     w_q, w_k = _heads(0), _heads(1)
     before_q, before_k = [x.clone() for x in w_q], [x.clone() for x in w_k]
-    s0, _, _ = M.set_interaction_spectrum(w_q[1], w_k[1]) + (None, None)
-    new_s = torch.stack([M.profile_with_pr(s0[h], target) for h in range(4)])
-    _, q1, k1 = M.set_interaction_spectrum(w_q[1], w_k[1], new_s)
+    s0, _, _ = set_interaction_spectrum(w_q[1], w_k[1]) + (None, None)
+    new_s = torch.stack([profile_with_pr(s0[h], target) for h in range(4)])
+    _, q1, k1 = set_interaction_spectrum(w_q[1], w_k[1], new_s)
     m0, m1 = w_q[1] @ w_k[1].transpose(-1, -2), q1 @ k1.transpose(-1, -2)
     sv1 = torch.linalg.svdvals(m1)[:, :6]
     assert torch.allclose(participation_ratio(sv1**2), torch.full((4,), target, dtype=torch.float64), atol=1e-6)
@@ -89,7 +103,7 @@ def test_interaction_control_closed_form(target):
     ctl = I.SpectrumControl.create(cfg, w_q, w_k, total_steps=10)
     pr_before = float(participation_ratio(s0[2] ** 2))
     ctl.apply(w_q, w_k, 5)  # reach 0.5 x 10 = step 5: the target is 0.5 x initial PR
-    s_after = M.set_interaction_spectrum(w_q[1][2:3], w_k[1][2:3])[0][0]
+    s_after = set_interaction_spectrum(w_q[1][2:3], w_k[1][2:3])[0][0]
     assert float(participation_ratio(s_after**2)) == pytest.approx(0.5 * pr_before, abs=1e-6)
     assert torch.equal(w_q[0], before_q[0]) and torch.equal(w_k[0], before_k[0])
     for h in (0, 1, 3):
@@ -230,12 +244,12 @@ def test_interaction_spectrum_fallbacks_on_ill_conditioned_heads(scale):
     # all must match a plain SVD of the D x D product
     w_q, w_k = _heads(4)[0], _heads(5)[0]
     w_k[:, :, -1] *= scale
-    s = M.set_interaction_spectrum(w_q, w_k)[0]
+    s = set_interaction_spectrum(w_q, w_k)[0]
     ref = torch.linalg.svdvals(w_q @ w_k.transpose(-1, -2))[:, :6]
     assert torch.allclose(s, ref, rtol=1e-9, atol=1e-12 * float(ref.max()))
     target = torch.full((4,), 2.0, dtype=torch.float64)
     new_s = M.profiles_with_pr(s, target)
-    _, q1, k1 = M.set_interaction_spectrum(w_q, w_k, new_s)
+    _, q1, k1 = set_interaction_spectrum(w_q, w_k, new_s)
     got = torch.linalg.svdvals(q1 @ k1.transpose(-1, -2))[:, :6]
     assert torch.allclose(got, new_s, rtol=1e-7, atol=1e-9 * float(ref.max()))
     assert torch.isfinite(q1).all() and torch.isfinite(k1).all()
@@ -262,15 +276,15 @@ def test_controls_fall_back_to_the_svd_where_eigh_fails(monkeypatch):
     # route and give the same result, not stop training
     w_q, w_k = _heads(8), _heads(9)
     target = torch.full((4,), 2.0, dtype=torch.float64)
-    s_ref, q_ref, k_ref = M.set_interaction_spectrum(w_q[0], w_k[0], M.profiles_with_pr(
-        M.set_interaction_spectrum(w_q[0], w_k[0])[0], target))  # fmt: skip
+    s_ref, q_ref, k_ref = set_interaction_spectrum(w_q[0], w_k[0], M.profiles_with_pr(
+        set_interaction_spectrum(w_q[0], w_k[0])[0], target))  # fmt: skip
     sv_ref, v_ref = M.key_spectrum(w_k[0])
 
     def broken(*args, **kwargs):
         raise torch.linalg.LinAlgError("simulated eigh failure")
 
     monkeypatch.setattr(torch.linalg, "eigh", broken)
-    s, q, k = M.set_interaction_spectrum(w_q[0], w_k[0], M.profiles_with_pr(s_ref, target))
+    s, q, k = set_interaction_spectrum(w_q[0], w_k[0], M.profiles_with_pr(s_ref, target))
     assert torch.allclose(s, s_ref, rtol=1e-10) and torch.allclose(
         q @ k.transpose(-1, -2), q_ref @ k_ref.transpose(-1, -2)
     )
