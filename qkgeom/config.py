@@ -55,31 +55,28 @@ REPLACED = {
 TOKENIZERS = ("char", "byte")
 
 
+# scalar annotation -> (accepts the TOML value, what the message says it expects)
+_SCALARS: dict[type, tuple[Any, str]] = {
+    bool: (lambda v: isinstance(v, bool), "true/false"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
+    str: (lambda v: isinstance(v, str), "a string"),
+}
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
-    """Check (and gently convert) `value` against the annotation `tp`."""
-    origin = typing.get_origin(tp)
-    if origin is tuple:
+    """Check (and gently convert: an integer where a float is expected) `value` against the annotation `tp`."""
+    if typing.get_origin(tp) is tuple:
         (inner, _) = typing.get_args(tp)
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config key {key!r} expects a list, got {value!r}")
         return tuple(_coerce(v, inner, key) for v in value)
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise ConfigError(f"config key {key!r} expects true/false, got {value!r}")
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise ConfigError(f"config key {key!r} expects an integer, got {value!r}")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        raise ConfigError(f"config key {key!r} expects a number, got {value!r}")
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise ConfigError(f"config key {key!r} expects a string, got {value!r}")
-    raise ConfigError(f"config key {key!r} has unsupported type {tp}")  # pragma: no cover
+    if tp not in _SCALARS:
+        raise ConfigError(f"config key {key!r} has unsupported type {tp}")  # pragma: no cover
+    accepts, what = _SCALARS[tp]
+    if not accepts(value):
+        raise ConfigError(f"config key {key!r} expects {what}, got {value!r}")
+    return float(value) if tp is float else value
 
 
 def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:

@@ -80,32 +80,12 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     skipped = sorted({str(w.message) for w in caught if issubclass(w.category, A.RunWarning)})
     geometry = A.with_transient(geometry)
     traj = A.trajectories(geometry)
-    parts = []
-    tables = {}
-    is_matched = matched.is_matched_study(geometry)
-    if is_matched:  # causal v4: closed-loop arms against a sham, per layer (v3's pooled rows do not apply)
-        parts.append(matched.claims_matched(geometry, metrics))
-        tables["matched_dose"] = matched.dose_table(geometry)
-    elif geometry["intervention"].nunique() > 1:
-        parts.append(causal.claims_intervention(geometry, metrics))
     base = geometry[geometry["intervention"] == "none"]
-    sens = pd.DataFrame(columns=A.CLAIM_COLUMNS)
-    if len(base) and (base["n_layers"].nunique() > 1 or base["qk_init"].nunique() > 1 or not parts):
-        parts.append(A.claims_main(base))
-        sens = A.sensitivity(base)
-        tables |= {"sensitivity": sens, "seed_agreement": A.seed_agreement(base), "horizon": A.horizon(base)}
-    if extra is not None:
-        parts += extra(path)
-    claims = pd.concat(parts, ignore_index=True)
+    claims, tables = _claim_parts(path, geometry, metrics, extra)
+    sens = tables.get("sensitivity", pd.DataFrame(columns=A.CLAIM_COLUMNS))
     pre = study_analysis(path)
     claims = A.apply_margin(claims, float(pre.get("margin", np.nan)))  # the pre-registered TOST margin, if any
-    blind = ""
-    if is_matched and (planned := registered_design(path)):
-        done = matched.seeds_complete(geometry, planned[1])
-        if done < planned[0]:  # blind until complete: only the checks are shown
-            blind = f"{done} of {planned[0]} seeds recorded; primary outcome hidden"
-            claims = matched.blind(claims)
-            tables.pop("matched_dose")
+    claims, blind = _blind_until_complete(path, geometry, claims, tables)
     claims = A.numeric_columns(P.adjust_primary(claims, pre.get("primary", []), strict=not blind))
     tables["verdicts"] = verdicts(claims)
     if (families := R.registered(pre, R.MAIN_VARIANTS)) and len(base) and not blind:  # analysis.robustness
@@ -134,6 +114,40 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
         matched_dose=tables.get("matched_dose"), blind=blind, shown=extra_tables,
         verdict_table=tables["verdicts"], headline=causal.headline(claims),
     )  # fmt: skip
+
+
+def _claim_parts(
+    path: Path, geometry: pd.DataFrame, metrics: pd.DataFrame, extra: Callable[[Path], list[pd.DataFrame]] | None
+) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
+    """The claims the study's design calls for (matched arms, intervention arms, the main claims of its
+    none runs, a higher wing's extra parts) and the tables that come with them."""
+    parts, tables = [], {}
+    if matched.is_matched_study(geometry):  # causal v4: closed-loop arms against a sham, per layer
+        parts.append(matched.claims_matched(geometry, metrics))
+        tables["matched_dose"] = matched.dose_table(geometry)
+    elif geometry["intervention"].nunique() > 1:
+        parts.append(causal.claims_intervention(geometry, metrics))
+    base = geometry[geometry["intervention"] == "none"]
+    if len(base) and (base["n_layers"].nunique() > 1 or base["qk_init"].nunique() > 1 or not parts):
+        parts.append(A.claims_main(base))
+        tables |= {"sensitivity": A.sensitivity(base), "seed_agreement": A.seed_agreement(base),
+                   "horizon": A.horizon(base)}  # fmt: skip
+    if extra is not None:
+        parts += extra(path)
+    return pd.concat(parts, ignore_index=True), tables
+
+
+def _blind_until_complete(
+    path: Path, geometry: pd.DataFrame, claims: pd.DataFrame, tables: dict[str, pd.DataFrame]
+) -> tuple[pd.DataFrame, str]:
+    """A matched study short of its registered seeds shows only its checks: (claims, why blind or "")."""
+    if not matched.is_matched_study(geometry) or not (planned := registered_design(path)):
+        return claims, ""
+    done = matched.seeds_complete(geometry, planned[1])
+    if done >= planned[0]:
+        return claims, ""
+    tables.pop("matched_dose")
+    return matched.blind(claims), f"{done} of {planned[0]} seeds recorded; primary outcome hidden"
 
 
 def registered_design(path: Path) -> tuple[int, int] | None:

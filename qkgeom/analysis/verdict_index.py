@@ -96,16 +96,10 @@ def terminal_summary(markdown: str, width: int = 100) -> str:
     return "\n".join(out)
 
 
-def verdicts_index(root: str | Path) -> str:
-    """docs/results/VERDICTS.md: every pre-registered primary row of every committed study under its
-    current statistics (current_claims), with its raw p, the exact sign-flip p from its per-seed values
-    (and the smallest p its n can reach), its n-aware verdict (analysis.claims.n_aware), Holm over the
-    study's primary family (the error control) and, descriptively, over every study's primary rows
-    together; whether the row re-derives from committed per-run records. A pre-registered primary that
-    picks no row, or several, is an error (a reworded claim would otherwise leave its Holm family in silence)."""
-    root = Path(root)
-    found = []
-    amended = []
+def _collect(root: Path) -> tuple[list, list, dict[str, pd.DataFrame], dict[str, pd.DataFrame]]:
+    """Every committed study's primary rows (study, id, row, has records), its registered versions, and
+    its robustness.csv and per_layer.csv where it has them; damaged or bent studies refused."""
+    found, amended = [], []
     variants: dict[str, pd.DataFrame] = {}  # study -> its robustness.csv (analysis.robustness)
     by_layer: dict[str, pd.DataFrame] = {}  # study -> its per_layer.csv (analysis.layers)
     for d in sorted(p for p in root.iterdir() if (p / "claims.csv").is_file()):
@@ -126,12 +120,24 @@ def verdicts_index(root: str | Path) -> str:
         for spec_row in spec:
             for r in claims[claims["primary"] == spec_row["id"]].itertuples(index=False):
                 found.append((d.name, spec_row["id"], r, (d / RECORDS_DIR).is_dir()))
-    tested = []  # per row: (sign-flip p, floor, Holm input p or NaN where the row is unreadable)
+    return found, amended, variants, by_layer
+
+
+def _seed_values(r) -> np.ndarray:
+    """A row's per-seed values: its column, or for a frozen table written before it was one, its detail."""
+    v = A.per_seed_values(getattr(r, "per_seed", ""))
+    if len(v):
+        return v
+    seeds = re.search(r"per-seed (?:[a-z]+ )?\[([^\]]*)\]", str(r.detail))
+    return np.array([float(x) for x in seeds.group(1).split(",")]) if seeds else np.array([])
+
+
+def _tested(found: list) -> tuple[list, np.ndarray, np.ndarray]:
+    """Per row (sign-flip p, floor, Holm input p or NaN where the row is unreadable), then Holm over
+    every study's rows (descriptive) and within each study (the error control)."""
+    tested = []
     for _, _, r, _ in found:
-        v = A.per_seed_values(getattr(r, "per_seed", ""))
-        if not len(v):  # a frozen table written before per-seed values were a column: read from its detail
-            seeds = re.search(r"per-seed (?:[a-z]+ )?\[([^\]]*)\]", str(r.detail))
-            v = np.array([float(x) for x in seeds.group(1).split(",")]) if seeds else np.array([])
+        v = _seed_values(r)
         flip, floor = A.stats.sign_flip_p(v) if len(v) else (np.nan, np.nan)
         tested.append((flip, floor, P.error_control_p(r.p_value, flip) if P.readable(r.verdict) else np.nan))
     p_in = np.array([t[2] for t in tested])
@@ -140,6 +146,18 @@ def verdicts_index(root: str | Path) -> str:
     for study in {s for s, _, _, _ in found}:
         mine = np.array([s == study for s, _, _, _ in found])
         p_study[mine] = A.stats.holm(p_in[mine])
+    return tested, p_study, p_all
+
+
+def verdicts_index(root: str | Path) -> str:
+    """docs/results/VERDICTS.md: every pre-registered primary row of every committed study under its
+    current statistics (current_claims), with its raw p, the exact sign-flip p from its per-seed values
+    (and the smallest p its n can reach), its n-aware verdict (analysis.claims.n_aware), Holm over the
+    study's primary family (the error control) and, descriptively, over every study's primary rows
+    together; whether the row re-derives from committed per-run records. A pre-registered primary that
+    picks no row, or several, is an error (a reworded claim would otherwise leave its Holm family in silence)."""
+    found, amended, variants, by_layer = _collect(Path(root))
+    tested, p_study, p_all = _tested(found)
     lines = [
         "# Pre-registered primary rows of every committed study",
         "",
@@ -179,6 +197,12 @@ def verdicts_index(root: str | Path) -> str:
             f"{verdict} | {fmt(r.p_value)} | {fmt(flip)} | {fmt(floor)} | {fmt(p_i)} | "
             f"{fmt(p_s)} | {survives} | {fmt(p_a)} | {'yes' if recorded else 'not re-derivable'} | {robust} | {signs} |"
         )
+    return "\n".join(lines + _layer_lines(by_layer) + _variant_lines(variants) + _version_lines(amended)) + "\n"
+
+
+def _layer_lines(by_layer: dict[str, pd.DataFrame]) -> list[str]:
+    """The per-layer rows of the primaries that average layers, as a table (none: no lines)."""
+    lines: list[str] = []
     rows_by_layer = [(study, t) for study, t in sorted(by_layer.items()) if len(t)]
     if rows_by_layer:
         lines += [
@@ -196,6 +220,12 @@ def verdicts_index(root: str | Path) -> str:
             for study, t in rows_by_layer
             for v in t.itertuples(index=False)
         ]
+    return lines
+
+
+def _variant_lines(variants: dict[str, pd.DataFrame]) -> list[str]:
+    """The robustness variants under which a primary's verdict differs (none: no lines)."""
+    lines: list[str] = []
     differing = [(study, t[~t["same"].astype(str).str.lower().eq("true")]) for study, t in sorted(variants.items())]
     if any(len(t) for _, t in differing):
         lines += [
@@ -209,7 +239,13 @@ def verdicts_index(root: str | Path) -> str:
         lines += [f"| {study} | {v.primary} | {v.variant} | {fmt(v.value)} [{fmt(v.ci_low)}, {fmt(v.ci_high)}] | "
                   f"{v.n} | {fmt(v.p_value)} | {fmt(v.p_sign_flip)} | {v.verdict} |"
                   for study, t in differing for v in t.itertuples(index=False)]  # fmt: skip
-    if amended:  # a pre-registration amended after its records: every registered version, oldest first
+    return lines
+
+
+def _version_lines(amended: list) -> list[str]:
+    """Every registered version of a pre-registration amended after its records, oldest first."""
+    lines: list[str] = []
+    if amended:
         lines += [
             "",
             "Pre-registration versions (registered amendments; the records keep the digest they were judged under):",
@@ -217,4 +253,4 @@ def verdicts_index(root: str | Path) -> str:
         ]
         lines += [f"- {study} v{v['version']}{' (' + v['registered'] + ')' if v.get('registered') else ''}: "
                   f"{plain(v['note'])}" for study, v in amended]  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return lines

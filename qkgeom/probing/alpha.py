@@ -79,6 +79,22 @@ def _ww_small_n(x: np.ndarray) -> dict:
     return best
 
 
+def _fit_input(ev: np.ndarray | Tensor, ww: bool) -> np.ndarray | dict:
+    """A spectrum as the grid fit takes it (ascending, the convention's zeros dropped), or its finished
+    fit where there is nothing to grid: non-finite, too few or all-zero values, WeightWatcher's small N."""
+    x = np.asarray(ev.detach().cpu().numpy() if isinstance(ev, Tensor) else ev, float)
+    if not np.isfinite(x).all():
+        return _NAN_FIT | dict(reason="non-finite values")
+    if ww and len(x) < WW_MIN_EVALS:
+        return _NAN_FIT | dict(reason=f"fewer than {WW_MIN_EVALS} eigenvalues ({len(x)}: WeightWatcher's min_evals)")
+    x = np.sort(x[x > WW_EVALS_THRESH]) if ww else np.sort(x[x > 0])
+    top = x[-1] if len(x) else 0.0
+    x = x if ww else x[x > top * 1e-12]  # numerically zero eigenvalues are no part of a spectrum
+    if len(x) < 2:
+        return _NAN_FIT | dict(reason="rank one" if len(x) else "all-zero matrix")
+    return _ww_small_n(x) if ww and len(x) < WW_SMALL_N else x
+
+
 def power_law_alphas(
     spectra: Sequence[np.ndarray | Tensor], min_tail: int = ALPHA_MIN_TAIL, convention: str = "weightwatcher"
 ) -> list[dict]:
@@ -93,23 +109,11 @@ def power_law_alphas(
     nan = _NAN_FIT
     by_length: dict[int, list[tuple[int, np.ndarray]]] = {}
     for s, ev in enumerate(spectra):
-        x = np.asarray(ev.detach().cpu().numpy() if isinstance(ev, Tensor) else ev, float)
-        if not np.isfinite(x).all():
-            out[s] = nan | dict(reason="non-finite values")
-            continue
-        if ww and len(x) < WW_MIN_EVALS:
-            out[s] = nan | dict(reason=f"fewer than {WW_MIN_EVALS} eigenvalues ({len(x)}: WeightWatcher's min_evals)")
-            continue
-        x = np.sort(x[x > WW_EVALS_THRESH]) if ww else np.sort(x[x > 0])
-        top = x[-1] if len(x) else 0.0
-        x = x if ww else x[x > top * 1e-12]  # numerically zero eigenvalues are no part of a spectrum
-        if len(x) < 2:
-            out[s] = nan | dict(reason="rank one" if len(x) else "all-zero matrix")
-            continue
-        if ww and len(x) < WW_SMALL_N:
-            out[s] = _ww_small_n(x)
-            continue
-        by_length.setdefault(len(x), []).append((s, x))
+        x = _fit_input(ev, ww)
+        if isinstance(x, dict):  # no tail to fit, or WeightWatcher's small-N fit
+            out[s] = x
+        else:
+            by_length.setdefault(len(x), []).append((s, x))
     for big_n, members in by_length.items():
         x = np.stack([m[1] for m in members])  # (M, N), each row ascending
         # candidate (m, i): tail of spectrum m from index i, the first copy of a distinct value other

@@ -69,6 +69,50 @@ class _Layer:
     logit_gain: float = 1.0  # the model's scores are q k^T / sqrt(E) times this
 
 
+class _Rows:
+    """The tidy rows an accumulator gives, each PR row noted with its convention; per-head values
+    reach the host in one transfer per vector, not per head."""
+
+    def __init__(self, site: str, conv: str) -> None:
+        self.site, self.conv, self.rows = site, conv, []
+
+    def add(self, layer: int, head: int, metric: str, value: float | Tensor) -> None:
+        pr_conv = "variance" if metric.endswith("bias_corrected") else self.conv
+        note = G.pr_note(pr_conv) if G.is_pr_metric(metric) else ""
+        row = {"layer": layer, "head": head, "site": self.site, "metric": metric, "value": D.as_float(value)}
+        self.rows.append(row | {"note": note} if note else row)
+
+    def heads(self, layer: int, metric: str, values: Tensor | list) -> None:
+        for h, v in enumerate(D.host_list(values) if isinstance(values, torch.Tensor) else values):
+            self.add(layer, h, metric, v)
+
+    def heads_and_mean(self, layer: int, metric: str, values: Tensor) -> None:
+        """Each head's value, then the layer's (head -1) as their mean."""
+        self.heads(layer, metric, values)
+        self.add(layer, -1, metric, values.mean())
+
+
+def _spectrum_rows(out: _Rows, li: int, st: _Layer) -> None:
+    """Layer `li`'s covariance-spectrum summaries of queries and keys (the layer's whole and per head),
+    and the PR contrast PR_Q - PR_K; each dict of statistics reaches the host in one transfer."""
+    conv = out.conv
+    head_eigs = {}
+    for side, acc, n_heads in (("query", st.q_all, st.n_q_heads), ("key", st.k_all, st.n_k_heads)):
+        head_eigs[side] = acc.block_eigenvalues(n_heads)
+        layer_sum, head_sum = _summary(acc.eigenvalues(), acc.n, conv), _summary(head_eigs[side], acc.n, conv)
+        for name, v in zip(layer_sum, D.host_list(torch.stack(list(layer_sum.values()))), strict=True):
+            out.add(li, -1, f"{side}_{name}", v)
+        for name, vals in zip(head_sum, D.host_list(torch.stack(list(head_sum.values()))), strict=True):
+            out.heads(li, f"{side}_{name}", vals)
+    pr_q = G.participation_ratio_as(head_eigs["query"], conv)
+    pr_k = G.participation_ratio_as(head_eigs["key"], conv)
+    whole = G.participation_ratio_as(st.q_all.eigenvalues(), conv) - G.participation_ratio_as(
+        st.k_all.eigenvalues(), conv
+    )
+    out.add(li, -1, "participation_ratio_contrast", whole)
+    out.heads(li, "participation_ratio_contrast", pr_q - pr_k.repeat_interleave(len(pr_q) // len(pr_k)))
+
+
 class GeometryAccumulator:
     """Streams QKSnapshots; ``rows()`` and ``spectra()`` summarise everything seen."""
 
@@ -198,73 +242,39 @@ class GeometryAccumulator:
 
     def rows(self) -> list[dict]:
         """Tidy rows (layer, head, site, metric, value) for everything streamed so far."""
-        out: list[dict] = []
-        conv = self.settings.conventions.pr
-
-        def add(layer: int, head: int, metric: str, value: float) -> None:
-            note = (
-                G.pr_note("variance" if metric.endswith("bias_corrected") else conv) if G.is_pr_metric(metric) else ""
-            )
-            row = {"layer": layer, "head": head, "site": self.site, "metric": metric, "value": D.as_float(value)}
-            out.append(row | {"note": note} if note else row)
-
-        def add_heads(layer: int, metric: str, values) -> None:  # one host transfer per vector, not per head
-            for h, v in enumerate(D.host_list(values) if isinstance(values, torch.Tensor) else values):
-                add(layer, h, metric, v)
-
+        out = _Rows(self.site, self.settings.conventions.pr)
         G.solve_together([acc for st in self.layers for acc in (st.q_all, st.k_all)])
         for li, st in enumerate(self.layers):
-            head_eigs = {}
-            for side, acc, n_heads in (("query", st.q_all, st.n_q_heads), ("key", st.k_all, st.n_k_heads)):
-                head_eigs[side] = acc.block_eigenvalues(n_heads)
-                layer_sum, head_sum = _summary(acc.eigenvalues(), acc.n, conv), _summary(head_eigs[side], acc.n, conv)
-                for name, v in zip(layer_sum, D.host_list(torch.stack(list(layer_sum.values()))), strict=True):
-                    add(li, -1, f"{side}_{name}", v)  # each dict of statistics in one host transfer
-                for name, vals in zip(head_sum, D.host_list(torch.stack(list(head_sum.values()))), strict=True):
-                    add_heads(li, f"{side}_{name}", vals)
-            pr_q = G.participation_ratio_as(head_eigs["query"], conv)
-            pr_k = G.participation_ratio_as(head_eigs["key"], conv)
-            group = len(pr_q) // len(pr_k)
-            add(
-                li,
-                -1,
-                "participation_ratio_contrast",
-                G.participation_ratio_as(st.q_all.eigenvalues(), conv)
-                - G.participation_ratio_as(st.k_all.eigenvalues(), conv),
-            )
-            add_heads(li, "participation_ratio_contrast", pr_q - pr_k.repeat_interleave(group))
+            _spectrum_rows(out, li, st)
             if st.ent_sum is not None and st.ent_n:
                 ent, ent_n = st.ent_sum / st.ent_n, st.ent_norm_sum / st.ent_n
-                med = _hist_median(st.ent_hist)
-                add_heads(li, "attention_entropy", ent)
-                add_heads(li, "attention_entropy_normalised", ent_n)
-                add_heads(li, "attention_entropy_normalised_median", med)
-                add(li, -1, "attention_entropy", ent.mean())
-                add(li, -1, "attention_entropy_normalised", ent_n.mean())
-                add(li, -1, "attention_entropy_normalised_median", _hist_median(st.ent_hist.sum(0, keepdim=True))[0])
+                out.heads(li, "attention_entropy", ent)
+                out.heads(li, "attention_entropy_normalised", ent_n)
+                out.heads(li, "attention_entropy_normalised_median", _hist_median(st.ent_hist))
+                out.add(li, -1, "attention_entropy", ent.mean())
+                out.add(li, -1, "attention_entropy_normalised", ent_n.mean())
+                out.add(
+                    li, -1, "attention_entropy_normalised_median", _hist_median(st.ent_hist.sum(0, keepdim=True))[0]
+                )
             if st.logit_n:
                 pr, top = st.logit_pr_sum / st.logit_n, st.logit_top_sum / st.logit_n
-                add_heads(li, "logit_participation_ratio", pr)
-                add_heads(li, "logit_spectral_norm", top)
-                add(li, -1, "logit_participation_ratio", pr.mean())
-                add(li, -1, "logit_spectral_norm", top.mean())
-                ranks = st.energy_rank_sum / st.logit_n  # components carrying 90% of the energy, per sequence
-                add_heads(li, "logit_energy_rank90", ranks)
-                add(li, -1, "logit_energy_rank90", ranks.mean())
+                out.heads(li, "logit_participation_ratio", pr)
+                out.heads(li, "logit_spectral_norm", top)
+                out.add(li, -1, "logit_participation_ratio", pr.mean())
+                out.add(li, -1, "logit_spectral_norm", top.mean())
+                # components carrying 90% of the energy, per sequence
+                out.heads_and_mean(li, "logit_energy_rank90", st.energy_rank_sum / st.logit_n)
             # input-weighted logit scale (all probe tokens): from the head blocks of the layer's covariances
             cq, ck = st.q_all.block_covariances(st.n_q_heads), st.k_all.block_covariances(st.n_k_heads)
             mq = st.q_all.mean.reshape(st.n_q_heads, -1)
             scale = G.input_logit_scale(cq, ck.repeat_interleave(st.n_q_heads // st.n_k_heads, dim=0), mq)
-            scale = scale * st.logit_gain**2
-            add_heads(li, "input_logit_scale", scale)
-            add(li, -1, "input_logit_scale", scale.mean())
+            out.heads_and_mean(li, "input_logit_scale", scale * st.logit_gain**2)
             if st.row_n:
                 mean = st.row_std_sum / st.row_n
                 sd = (st.row_std_sq_sum / st.row_n - mean**2).clamp_min(0).sqrt()
-                for name, vals in (("logit_row_std", mean), ("logit_row_std_cv", sd / mean)):
-                    add_heads(li, name, vals)
-                    add(li, -1, name, vals.mean())
-        return out
+                out.heads_and_mean(li, "logit_row_std", mean)
+                out.heads_and_mean(li, "logit_row_std_cv", sd / mean)
+        return out.rows
 
     def spectra(self) -> dict[str, np.ndarray]:
         """Covariance eigenvalues per layer (L, H*E) and per head (L, H, E)."""

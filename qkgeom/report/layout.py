@@ -14,6 +14,31 @@ def _has_data(ax) -> bool:
     return bool(ax.lines or ax.collections or ax.patches or ax.images)
 
 
+def _axes_problems(ax, name: str) -> list[str]:
+    """An axes that holds nothing, or holds data without tick labels on an axis or a y-axis label."""
+    if not _has_data(ax):
+        return [f"{name}: empty (no lines, markers, bars or images)"]
+    problems = [
+        f"{name}: no {axis} tick labels"
+        for axis, labels in (("x", ax.get_xticklabels()), ("y", ax.get_yticklabels()))
+        if not any(t.get_visible() and t.get_text() for t in labels)
+    ]
+    return problems + ([] if ax.get_ylabel() else [f"{name}: no y-axis label"])
+
+
+def _text_boxes(ax, name: str, renderer) -> list[tuple[str, object]]:
+    """(what, window extent) of the axes' visible titles, axis labels and legend."""
+    boxes = [
+        (f"{name} {text.get_text()!r}", text.get_window_extent(renderer))
+        for text in (ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label)  # noqa: SLF001
+        if text.get_visible() and text.get_text()
+    ]
+    legend = ax.get_legend()
+    if legend is not None and legend.get_visible():
+        boxes.append((f"{name} legend", legend.get_window_extent(renderer)))
+    return boxes
+
+
 def layout_problems(fig: Figure) -> list[str]:
     """One line per problem of the drawn `fig` (empty: none). Colorbars are exempt from the axis
     checks (they have one axis by design); an axes turned off (ax.axis("off")) is exempt too."""
@@ -28,20 +53,9 @@ def layout_problems(fig: Figure) -> list[str]:
         if not ax.get_visible() or not ax.axison or hasattr(ax, "_colorbar"):
             continue
         name = f"axes {i}" + (f" ({ax.get_title()!r})" if ax.get_title() else "")
-        if not _has_data(ax):
-            problems.append(f"{name}: empty (no lines, markers, bars or images)")
-            continue
-        for axis, labels in (("x", ax.get_xticklabels()), ("y", ax.get_yticklabels())):
-            if not any(t.get_visible() and t.get_text() for t in labels):
-                problems.append(f"{name}: no {axis} tick labels")
-        if not ax.get_ylabel():
-            problems.append(f"{name}: no y-axis label")
-        for text in (ax.title, ax._left_title, ax._right_title, ax.xaxis.label, ax.yaxis.label):  # noqa: SLF001
-            if text.get_visible() and text.get_text():
-                boxes.append((f"{name} {text.get_text()!r}", text.get_window_extent(renderer)))
-        legend = ax.get_legend()
-        if legend is not None and legend.get_visible():
-            boxes.append((f"{name} legend", legend.get_window_extent(renderer)))
+        problems += _axes_problems(ax, name)
+        if _has_data(ax):
+            boxes += _text_boxes(ax, name, renderer)
     for (a, box_a), (b, box_b) in combinations(boxes, 2):
         if box_a.overlaps(box_b):
             problems.append(f"{a} overlaps {b}")

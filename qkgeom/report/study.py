@@ -76,7 +76,13 @@ def _spectra_by_init(a: Analysis) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
-    """name -> (caption, PNG bytes)."""
+    """name -> (caption, PNG bytes): the arms' figures, the none runs', then the spectral ones."""
+    figs = _intervention_figures(a) | _baseline_figures(a) | _spectral_figures(a)
+    return {k: (cap, png_bytes(fig)) for k, (cap, fig) in figs.items()}
+
+
+def _intervention_figures(a: Analysis) -> dict[str, tuple[str, object]]:
+    """An intervention study's figures (none for a study without arms)."""
     g = a.geometry
     figs: dict[str, tuple[str, object]] = {}
     if a.is_intervention and not a.blind:  # blind: no outcome is drawn until the registered n is in
@@ -106,7 +112,13 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
             )
         if not a.blind:
             figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "intervention"))
-    base = g[g["intervention"] == "none"]
+    return figs
+
+
+def _baseline_figures(a: Analysis) -> dict[str, tuple[str, object]]:
+    """The none runs' trajectories, slopes, sensitivity and loss figures."""
+    figs: dict[str, tuple[str, object]] = {}
+    base = a.geometry[a.geometry["intervention"] == "none"]
     if len(base):
         figs["pr_trajectories"] = ("PR_Q and PR_K (layer mean) per depth and init.", plots.pr_trajectories(base))
         figs["pr_post_transient"] = (
@@ -131,6 +143,12 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
             )
         if not a.is_intervention:
             figs["loss"] = ("Validation loss per run.", plots.loss_curves(a.metrics, "qk_init"))
+    return figs
+
+
+def _spectral_figures(a: Analysis) -> dict[str, tuple[str, object]]:
+    """Energy ranks, the spectral lifecycle and the W_Q W_K^T spectra, where the analysis has them."""
+    figs: dict[str, tuple[str, object]] = {}
     sh = a.shown
     if sh is not None and sh.energy_ranks is not None and len(sh.energy_ranks):
         figs["energy_ranks"] = (
@@ -148,7 +166,7 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
             "Spectrum of W_Q^h (W_K^h)^T over training.",
             plots.interaction_spectra(spectra),
         )
-    return {k: (cap, png_bytes(fig)) for k, (cap, fig) in figs.items()}
+    return figs
 
 
 def _rounded(x: float | None, digits: int) -> float | None:

@@ -68,6 +68,22 @@ def file_digest(path: Path, algo: str = "sha256") -> str:
     return h.hexdigest()
 
 
+def _fetch_into(url: str, part: Path, have: int, timeout: float) -> None:
+    """One attempt: the rest of `url` from byte `have` appended to `part` (all of it where the server
+    ignores the range); a body shorter than its Content-Length raises IncompleteRead."""
+    req = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        if have and r.status != 206:  # server ignored the range: start over
+            have = 0
+        length = r.headers.get("Content-Length")
+        total = have + int(length) if length is not None else None
+        with open(part, "ab" if have else "wb") as f:
+            shutil.copyfileobj(r, f, 1 << 20)
+    got = part.stat().st_size
+    if total is not None and got < total:
+        raise http.client.IncompleteRead(b"", total - got)
+
+
 def download(
     url: str, dest: Path, checksum: str, retries: int = 5, timeout: float = 30.0, backoff: float = 1.0
 ) -> Path:
@@ -85,18 +101,8 @@ def download(
         if attempt:
             time.sleep(backoff * 2 ** (attempt - 1))
         have = part.stat().st_size if part.exists() else 0
-        req = urllib.request.Request(url, headers={"Range": f"bytes={have}-"} if have else {})
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as r:
-                if have and r.status != 206:  # server ignored the range: start over
-                    have = 0
-                length = r.headers.get("Content-Length")
-                total = have + int(length) if length is not None else None
-                with open(part, "ab" if have else "wb") as f:
-                    shutil.copyfileobj(r, f, 1 << 20)
-            got = part.stat().st_size
-            if total is not None and got < total:
-                raise http.client.IncompleteRead(b"", total - got)
+            _fetch_into(url, part, have, timeout)
             last = None
             break
         except urllib.error.HTTPError as e:

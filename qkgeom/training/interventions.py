@@ -343,25 +343,10 @@ class SpectrumControl:
         elif kind == "temperature":
             new_q, new_k = match_logit_scale(sel_q, sel_k, cov, self.target_prs(step), mean)
         else:
-            if self.cfg.on == "key":
-                s, v = key_spectrum(sel_k)
-            else:
-                svd = interaction_svd(sel_q, sel_k)
-                s = svd[0]
-            if kind == "hold":
-                s_new = hold_profile(s, self._initial())
-            else:
-                target = self.target_prs(step)
-                current = participation_ratio(s**2)
-                if self.cfg.mode == "one-sided":  # a ceiling (contract) acts only above the target, a floor below
-                    act = current > target if kind == "contract" else current < target
-                if not bool(act.any()) and not self.cfg.match_row_std:
-                    return  # no head crossed its ceiling / floor: weights stay bit-identical
-                s_new = torch.where(act.unsqueeze(-1), profiles_with_pr(s, target), s)
-            if self.cfg.on == "key":
-                new_k = set_key_spectrum(sel_k, s, v, s_new)
-            else:
-                new_q, new_k = _set_interaction(sel_q, sel_k, svd, s_new)
+            mapped = self._spectrum_map(sel_q, sel_k, step)
+            if mapped is None:
+                return  # no head crossed its ceiling / floor: weights stay bit-identical
+            new_q, new_k, act = mapped
         if scale0 is not None:
             new_q, new_k = match_logit_scale(new_q, new_k, cov, scale0, mean)
         if self.cfg.match_row_std:  # closed loop: every controlled head, projected or not
@@ -370,6 +355,30 @@ class SpectrumControl:
         if new_q is not sel_q:
             self._scatter(w_q, new_q, act)
         self._scatter(w_k, new_k, act)
+
+    def _spectrum_map(self, sel_q: Tensor, sel_k: Tensor, step: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """hold, contract, expand: the controlled spectrum (of W_K, or of W_Q W_K^T) reshaped; (W_Q, W_K,
+        which heads acted), or None where no head crossed its ceiling / floor and nothing else steers."""
+        kind = self.cfg.kind
+        act = torch.ones(len(sel_k), dtype=torch.bool)
+        if self.cfg.on == "key":
+            s, v = key_spectrum(sel_k)
+        else:
+            svd = interaction_svd(sel_q, sel_k)
+            s = svd[0]
+        if kind == "hold":
+            s_new = hold_profile(s, self._initial())
+        else:
+            target = self.target_prs(step)
+            current = participation_ratio(s**2)
+            if self.cfg.mode == "one-sided":  # a ceiling (contract) acts only above the target, a floor below
+                act = current > target if kind == "contract" else current < target
+            if not bool(act.any()) and not self.cfg.match_row_std:
+                return None
+            s_new = torch.where(act.unsqueeze(-1), profiles_with_pr(s, target), s)
+        if self.cfg.on == "key":
+            return sel_q, set_key_spectrum(sel_k, s, v, s_new), act
+        return (*_set_interaction(sel_q, sel_k, svd, s_new), act)
 
     def rows(self, step: int) -> list[dict]:
         """Target rows (`<controlled metric>_target`) of the controlled heads, next to the achieved value;
