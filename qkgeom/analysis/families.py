@@ -16,6 +16,7 @@ from scipy import stats as sps
 
 from qkgeom import config as C
 from qkgeom.analysis import spectral, stats
+from qkgeom.metrics import metric_label
 from qkgeom.probing import archs
 from qkgeom.results import FAMILY_FACTS, RunDir, read_json, write_json
 
@@ -188,13 +189,12 @@ def family_trends(geometry: pd.DataFrame, early_max_step: int = C.EARLY_MAX_STEP
 
 # the per-layer columns a single-model report shows (one site each, archs.SITE_PREFERENCE)
 LAYER_TABLE = {
-    "query_participation_ratio": "PR_Q",
-    "key_participation_ratio": "PR_K",
-    "participation_ratio_contrast": "PR_Q - PR_K",
-    "attention_entropy_normalised": "entropy / uniform",
-    "interaction_rank": "interaction rank",
-    "logit_participation_ratio": "logit PR",
-}
+    m: metric_label(m)
+    for m in (
+        "query_participation_ratio", "key_participation_ratio", "participation_ratio_contrast",
+        "attention_entropy_normalised", "interaction_rank", "logit_participation_ratio",
+    )
+}  # fmt: skip
 
 
 def layer_table(geometry: pd.DataFrame, revision: str) -> pd.DataFrame:

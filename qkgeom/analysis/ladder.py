@@ -27,12 +27,12 @@ from qkgeom.analysis.claims import LAYER_BANDS
 from qkgeom.analysis.rows import rows_table, seed_row
 from qkgeom.analysis.runs import BUDGET_KEYS, load_metrics, load_runs
 from qkgeom.config import EARLY_MAX_STEP
+from qkgeom.metrics import metric_label
 
-METRICS = {  # metric -> (short name, the paper's predicted sign of its slope)
-    "key_participation_ratio": ("PR_K", -1),
-    "query_participation_ratio": ("PR_Q", +1),
-    "participation_ratio_contrast": ("PR_Q - PR_K", +1),
-}
+# metric -> (short name, the paper's predicted sign of its slope)
+METRICS = {m: (metric_label(m), sign) for m, sign in (
+    ("key_participation_ratio", -1), ("query_participation_ratio", +1), ("participation_ratio_contrast", +1)
+)}  # fmt: skip
 LOCAL_WINDOWS = ((1 / 8, 1 / 4), (1 / 4, 1 / 2), (1 / 2, 1.0))
 
 

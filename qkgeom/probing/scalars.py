@@ -15,18 +15,17 @@ from typing import Any
 import pandas as pd
 
 from qkgeom.errors import QKGeomError
+from qkgeom.metrics import metric_label
 from qkgeom.probing.archs import one_site
 
 # metric -> what the dashboard calls it (the tag is qkgeom/<metric>, the geometry.parquet name)
 SCALARS = {
-    "query_participation_ratio": "PR_Q",
-    "key_participation_ratio": "PR_K",
-    "participation_ratio_contrast": "PR_Q - PR_K",
-    "attention_entropy": "attention entropy (nats)",
-    "interaction_rank": "interaction rank",
-    "query_weight_alpha": "alpha of W_Q",
-    "key_weight_alpha": "alpha of W_K",
-}
+    m: metric_label(m)
+    for m in (
+        "query_participation_ratio", "key_participation_ratio", "participation_ratio_contrast", "attention_entropy",
+        "interaction_rank", "query_weight_alpha", "key_weight_alpha",
+    )
+}  # fmt: skip
 
 
 def layer_means(rows: list[dict[str, Any]] | pd.DataFrame) -> dict[str, float]:

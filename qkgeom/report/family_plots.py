@@ -8,6 +8,7 @@ import numpy as np
 import pandas as pd
 from matplotlib.figure import Figure
 
+from qkgeom.metrics import metric_label
 from qkgeom.probing.archs import one_site
 from qkgeom.report.plots import COLORS, _subplots
 
@@ -88,7 +89,7 @@ def family_seeds_contrast(fam: pd.DataFrame, early_max_step: int) -> Figure:
         ax.set_xlim(left=0)
         ax.set_xlabel("step")
         ax.set_title(title, fontsize=9)
-    axes[0, 0].set_ylabel("PR_Q - PR_K")
+    axes[0, 0].set_ylabel(metric_label("participation_ratio_contrast"))
     axes[0, 0].legend(fontsize=7)
     fig.suptitle("Paired contrast over each seed's checkpoint family (gray: seeds)", fontsize=10)
     return fig
@@ -123,7 +124,7 @@ def heads_link(fam: pd.DataFrame, seeds: pd.DataFrame, statistic: str, per_step:
         ax.scatter(both["ir"], both["en"], c=both["layer"], cmap="viridis", s=14)
         ax.ticklabel_format(useOffset=False)
         ax.set_xlabel("interaction rank (head)")
-        ax.set_ylabel("attention entropy (nats)")
+        ax.set_ylabel(metric_label("attention_entropy"))
         ax.set_title(f"step {step}: heads of every seed (colour: layer)", fontsize=9)
     return fig
 

@@ -16,6 +16,8 @@ import pandas as pd  # noqa: E402
 from matplotlib.colors import TwoSlopeNorm  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
+from qkgeom.metrics import metric_label  # noqa: E402
+
 COLORS = {"query": "tab:blue", "key": "tab:orange"}
 
 
@@ -212,7 +214,7 @@ def dose_response(points: pd.DataFrame, slopes: pd.DataFrame, summary: dict) -> 
         fontsize=9,
     )
     ax.set_xlabel("log activation PR_K (post-transient mean, layer mean)")
-    ax.set_ylabel("attention entropy (nats)")
+    ax.set_ylabel(metric_label("attention_entropy"))
     ax.legend(fontsize=7)
     return fig
 
@@ -268,7 +270,11 @@ def slope_by_depth(table: pd.DataFrame) -> Figure:
     with the 95% t-interval the analysis wrote (analysis.claims.slope_by_depth)."""
     inits = sorted(table["qk_init"].unique())
     fig, axes = _subplots(1, 2, figsize=(10, 3.6), sharex=True)
-    for ax, (side, name) in zip(axes, [("query", "PR_Q"), ("key", "PR_K")], strict=True):
+    for ax, (side, name) in zip(
+        axes,
+        [("query", metric_label("query_participation_ratio")), ("key", metric_label("key_participation_ratio"))],
+        strict=True,
+    ):
         for i, init in enumerate(inits):
             for depth, g in table[(table["qk_init"] == init) & (table["side"] == side)].groupby("n_layers"):
                 g = g.sort_values("rel")

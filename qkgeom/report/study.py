@@ -20,6 +20,7 @@ from qkgeom.analysis.context import context_sentence
 from qkgeom.analysis.rows import PARAMETRIC_ONLY
 from qkgeom.analysis.shown import run_folder
 from qkgeom.analysis.study import CAUSAL_GROUPS, LADDER_FACTS, LADDER_TABLE, Analysis
+from qkgeom.metrics import metric_label
 from qkgeom.report import family_plots, plots
 from qkgeom.report.layout import tidy
 from qkgeom.results import (
@@ -89,7 +90,10 @@ def _intervention_figures(a: Analysis) -> dict[str, tuple[str, object]]:
         figs["intervention_entropy"] = (
             "Attention entropy per condition (layer mean; band: min-max over seeds).",
             plots.by_condition(
-                g, "attention_entropy", "attention entropy (nats)", "Attention entropy under key-spectrum control"
+                g,
+                "attention_entropy",
+                metric_label("attention_entropy"),
+                "Attention entropy under key-spectrum control",
             ),
         )
     if a.is_intervention:

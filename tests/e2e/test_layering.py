@@ -16,7 +16,7 @@ README = PACKAGE.parent / "README.md"
 ORDER = [
     # ground: what every wing may use
     ["errors"],
-    ["device", "arms", "settings"],
+    ["device", "arms", "settings", "metrics"],
     ["config"],
     ["results", "executor"],
     # probing: q, k, pattern -> rows
@@ -167,7 +167,7 @@ def test_the_report_reads_an_allow_list_and_writes_no_table():
     """The report only draws: each report module imports only REPORT_MAY_IMPORT beyond the report wing
     and the ground floor, and calls no table writer (it writes figures and pages, nothing analyze reads).
     Before issue 55 the ladder page and the family report judged and wrote their tables themselves."""
-    ground = {"results", "errors", "config", "device"}
+    ground = {"results", "errors", "config", "device", "metrics"}
     for p in sorted((PACKAGE / "report").glob("*.py")):
         extra = {m for m in imports_of(p) if not m.startswith("report") and m not in ground}
         assert extra <= set(REPORT_MAY_IMPORT), f"{p.name} imports {sorted(extra - set(REPORT_MAY_IMPORT))}"
