@@ -116,6 +116,68 @@ def _rows(v: pd.Series, **kw) -> dict:
     )
 
 
+def _secondary_rows(
+    slopes: pd.DataFrame,
+    trends: pd.DataFrame,
+    metrics: pd.DataFrame,
+    budgets: list,
+    note: str,
+    trend_win: str,
+    margin: float,
+) -> list:
+    """The ladder's secondary rows: S1 claim 1 per depth band and budget, S2 the PR_Q and contrast
+    trends across budgets per layer, S3 the final validation loss per budget (context)."""
+    rows: list = []
+    for budget in budgets:  # S1: claim 1 per band and budget
+        at = slopes[slopes["budget_m"] == budget]
+        for band, pick in LAYER_BANDS.items():
+            sel = at[[pick(layer, n) for layer, n in zip(at["layer"], at["n_layers"], strict=True)]]
+            for metric, (short, sign) in METRICS.items():
+                v = sel[sel["metric"] == metric].groupby("seed")["slope"].mean()
+                if len(v):
+                    rows.append(
+                        _rows(
+                            v,
+                            claim=f"S1 {short} last-half slope (per doubling)",
+                            claim_id=f"last_half_slope:{metric}",
+                            group=band,
+                            window=f"last half, {budget:g} M",
+                            sign=sign,
+                            note=note,
+                            margin=margin,
+                        )
+                    )
+    for metric in ("query_participation_ratio", "participation_ratio_contrast"):  # S2
+        for layer, t in trends[trends["metric"] == metric].groupby("layer"):
+            rows.append(
+                _rows(
+                    t.set_index("seed")["trend"],
+                    claim=f"S2 {METRICS[metric][0]} last-half slope: trend across budgets",
+                    claim_id=f"budget_trend:{metric}",
+                    group=f"layer {layer}",
+                    window=trend_win,
+                    sign=None,
+                    note=note,
+                    margin=margin,
+                )
+            )
+    valid = metrics[metrics["split"] == "valid"]
+    final = valid[valid["step"] == valid["steps"]]
+    for budget, f in final.groupby("budget"):  # S3: context
+        rows.append(
+            _rows(
+                f.set_index("seed")["loss"],
+                claim="S3 final validation loss (nats per character)",
+                claim_id="final_validation_loss",
+                group="all",
+                window=f"final, {budget / 1e6:.1f} M",
+                sign=None,
+                note=note,
+            )
+        )
+    return rows
+
+
 def claims_ladder(
     g: pd.DataFrame,
     metrics: pd.DataFrame,
@@ -183,55 +245,8 @@ def claims_ladder(
                 margin=margin,
             )
         )
-    budgets_s1 = budgets if secondary else []
-    for budget in budgets_s1:  # S1: claim 1 per band and budget
-        at = slopes[slopes["budget_m"] == budget]
-        for band, pick in LAYER_BANDS.items():
-            sel = at[[pick(layer, n) for layer, n in zip(at["layer"], at["n_layers"], strict=True)]]
-            for metric, (short, sign) in METRICS.items():
-                v = sel[sel["metric"] == metric].groupby("seed")["slope"].mean()
-                if len(v):
-                    rows.append(
-                        _rows(
-                            v,
-                            claim=f"S1 {short} last-half slope (per doubling)",
-                            claim_id=f"last_half_slope:{metric}",
-                            group=band,
-                            window=f"last half, {budget:g} M",
-                            sign=sign,
-                            note=note,
-                            margin=margin,
-                        )
-                    )
-    for metric in ("query_participation_ratio", "participation_ratio_contrast") if secondary else ():  # S2
-        for layer, t in trends[trends["metric"] == metric].groupby("layer"):
-            rows.append(
-                _rows(
-                    t.set_index("seed")["trend"],
-                    claim=f"S2 {METRICS[metric][0]} last-half slope: trend across budgets",
-                    claim_id=f"budget_trend:{metric}",
-                    group=f"layer {layer}",
-                    window=trend_win,
-                    sign=None,
-                    note=note,
-                    margin=margin,
-                )
-            )
-    valid = metrics[metrics["split"] == "valid"]
-    final = valid[valid["step"] == valid["steps"]]
-    final = final if secondary else final.iloc[:0]
-    for budget, f in final.groupby("budget"):  # S3: context
-        rows.append(
-            _rows(
-                f.set_index("seed")["loss"],
-                claim="S3 final validation loss (nats per character)",
-                claim_id="final_validation_loss",
-                group="all",
-                window=f"final, {budget / 1e6:.1f} M",
-                sign=None,
-                note=note,
-            )
-        )
+    if secondary:
+        rows += _secondary_rows(slopes, trends, metrics, budgets, note, trend_win, margin)
     out = rows_table(rows)
     if interim:
         judged = out["verdict"].astype(str) != ""

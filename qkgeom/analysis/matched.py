@@ -199,15 +199,22 @@ def claims_matched(df: pd.DataFrame, metrics: pd.DataFrame | None = None) -> pd.
                     rows.append(_row(v, f"{arm} - sham: {what}", claim_id(arm, "sham", slug), layer, None, note))
     rows += instant_vs_learned(df, ent, layers, note)
     if metrics is not None and len(metrics):
-        val = metrics[metrics["split"] == "valid"]
-        final = val[val["step"] == val["steps"]].groupby(["intervention", "seed"])["loss"].mean()
-        for arm in [*dose_arms(df), "none"]:
-            wide = final.unstack("intervention")
-            if arm in wide and SHAM in wide:
-                v = (wide[arm] - wide[SHAM]).dropna()
-                rows.append(_row(v, f"{arm} - sham: final validation loss (nats/char)",
-                                 claim_id(arm, "sham", "final_validation_loss"), "final", None, note))  # fmt: skip
+        rows += final_loss_rows(df, metrics, note)
     return rows_table(rows)
+
+
+def final_loss_rows(df: pd.DataFrame, metrics: pd.DataFrame, note: str) -> list[dict]:
+    """Each arm's (and none's) final validation loss minus the sham's, per seed: the effects' cost."""
+    rows: list[dict] = []
+    val = metrics[metrics["split"] == "valid"]
+    final = val[val["step"] == val["steps"]].groupby(["intervention", "seed"])["loss"].mean()
+    for arm in [*dose_arms(df), "none"]:
+        wide = final.unstack("intervention")
+        if arm in wide and SHAM in wide:
+            v = (wide[arm] - wide[SHAM]).dropna()
+            rows.append(_row(v, f"{arm} - sham: final validation loss (nats/char)",
+                             claim_id(arm, "sham", "final_validation_loss"), "final", None, note))  # fmt: skip
+    return rows
 
 
 def reference_rows(

@@ -125,6 +125,25 @@ def test_patterns_equal_the_models_own_eager_attention(folder):
     assert all(0 <= v <= 1 for v in ent)
 
 
+@torch.no_grad()
+def _projections(name: str, attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k of x (5, 32) through the model's own projection modules, biases removed."""
+    if name == "gpt2":
+        return attn.c_attn(x)[:, :32] - attn.c_attn.bias[:32], attn.c_attn(x)[:, 32:64] - attn.c_attn.bias[32:64]
+    if name == "gpt_neox":
+        out = (attn.query_key_value(x) - attn.query_key_value.bias).view(5, 4, 3, 8)
+        return out[:, :, 0].reshape(5, 32), out[:, :, 1].reshape(5, 32)
+    if name == "bert":
+        return attn.query(x) - attn.query.bias, attn.key(x) - attn.key.bias
+    if name == "phi3":
+        return attn.qkv_proj(x)[:, :32], attn.qkv_proj(x)[:, 32:48]
+    if name == "gpt_bigcode":
+        out = attn.c_attn(x) - attn.c_attn.bias
+        return out[:, :32], out[:, 32:40]
+    q = attn.q_proj(x) - (attn.q_proj.bias if attn.q_proj.bias is not None else 0)
+    return q, attn.k_proj(x) - (attn.k_proj.bias if attn.k_proj.bias is not None else 0)
+
+
 def test_weight_maps_reproduce_the_projections(folder):
     name, path = folder
     model = P.load_model(str(path))
@@ -133,23 +152,7 @@ def test_weight_maps_reproduce_the_projections(folder):
     kept = []
     P.analyse_model(model, iter([ids(1, 8)]), keep=kept)
     attn = A._attn_modules(model, P.ARCHS[name].marker)[0]
-    with torch.no_grad():
-        if name == "gpt2":
-            q = attn.c_attn(x)[:, :32] - attn.c_attn.bias[:32]
-            k = attn.c_attn(x)[:, 32:64] - attn.c_attn.bias[32:64]
-        elif name == "gpt_neox":
-            out = (attn.query_key_value(x) - attn.query_key_value.bias).view(5, 4, 3, 8)
-            q, k = out[:, :, 0].reshape(5, 32), out[:, :, 1].reshape(5, 32)
-        elif name == "bert":
-            q, k = attn.query(x) - attn.query.bias, attn.key(x) - attn.key.bias
-        elif name == "phi3":
-            q, k = attn.qkv_proj(x)[:, :32], attn.qkv_proj(x)[:, 32:48]
-        elif name == "gpt_bigcode":
-            out = attn.c_attn(x) - attn.c_attn.bias
-            q, k = out[:, :32], out[:, 32:40]
-        else:
-            q = attn.q_proj(x) - (attn.q_proj.bias if attn.q_proj.bias is not None else 0)
-            k = attn.k_proj(x) - (attn.k_proj.bias if attn.k_proj.bias is not None else 0)
+    q, k = _projections(name, attn, x)
     _check_value_output(name, model, attn, x)
     for h in range(w_q[0].shape[0]):
         assert torch.allclose(x @ w_q[0][h], q[:, h * 8 : (h + 1) * 8], atol=1e-5)
