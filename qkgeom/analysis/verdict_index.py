@@ -18,18 +18,6 @@ from qkgeom.analysis.study import fmt, wrap_lines
 from qkgeom.results import RECORDS_DIR, DamagedRunError
 
 CLAIMS_NEEDED = ("claim", "group", "window", "value", "ci_low", "ci_high", "n", "verdict", "p_value", "detail")
-# Claims tables committed before rows carried a claim_id (pinned studies, not re-derivable): the id of
-# each row a pre-registration names, by the prose those frozen files hold. Nothing writes this prose now.
-LEGACY_IDS = {
-    "contract:interaction:0.4 - none: attention entropy (nats)": "contract:interaction:0.4-none.attention_entropy",
-    "hold:key - none at matched validation loss: attention entropy (nats)": (
-        "hold:key-none.attention_entropy:loss_matched"
-    ),
-    "F1 early trend of PR_Q - PR_K: Spearman(PR_Q - PR_K, log step)": "family:contrast_trend",
-    "F2 decay: early rho - late rho": "family:contrast_trend_decay",
-    "F4 interaction rank vs attention entropy across heads, pooled over revisions: Spearman(interaction rank, "
-    "attention entropy) across heads": "family:heads_link",
-}
 
 
 def _committed_claims(path: Path) -> pd.DataFrame:
@@ -47,15 +35,15 @@ def _committed_claims(path: Path) -> pd.DataFrame:
         what = f"no column {lost[0]!r}" if lost else "a p_value that is not a number"
         raise DamagedRunError(f"{path} is damaged ({what}; truncated?); re-derive it with qkgeom analyze")
     claims["verdict"] = claims["verdict"].fillna("")
-    if "claim_id" not in claims:  # written before claim ids: a frozen table (LEGACY_IDS)
-        claims["claim_id"] = claims["claim"].map(LEGACY_IDS).fillna("")
+    if "claim_id" not in claims:  # written before claim ids: no pre-registration can name its rows
+        claims["claim_id"] = ""
     return claims
 
 
 def current_claims(d: Path) -> pd.DataFrame:
     """A committed study's claims as its current statistics give them: claims.csv, with the rows of its
-    newest re-derived table of primaries (`*claims_v<N>.csv`, N >= 2, e.g. family-cpu's v2 Fisher-z
-    rows re-derived from its per-seed table) in place of the rows of the same claim."""
+    newest re-derived table of primaries (`*claims_v<N>.csv`, N >= 2: statistics re-derived from a
+    committed per-seed table after the study ran) in place of the rows of the same claim."""
     claims = _committed_claims(d / "claims.csv")
     newer = sorted(
         (f for f in d.glob("*claims_v*.csv") if re.search(r"_v(\d+)\.csv$", f.name)),
@@ -162,7 +150,7 @@ def verdicts_index(root: str | Path) -> str:
         "# Pre-registered primary rows of every committed study",
         "",
         "Written by `qkgeom verdicts docs/results` from each study's committed claims (its current statistics:",
-        "claims.csv, or a re-derived table of its primaries such as family-cpu's family_claims_v2.csv) and the",
+        "claims.csv, or a newer re-derived table of its primaries, `*claims_v<N>.csv` with N >= 2) and the",
         "primary family its pre-registration names (`[analysis] primary`). p: the row's own test as committed",
         "(t-test over seeds; the causal rows' sign test). p (sign-flip): exact, from the committed per-seed",
         "values; floor: the smallest p n seeds can reach. A verdict whose floor is >= 0.05 (n <= 5) reads",

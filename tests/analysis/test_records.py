@@ -25,6 +25,7 @@ REDERIVED = {
     "causal-v4-cpu": (("claims.csv", "verdicts.csv", "matched_dose.csv", "scale_check.csv"), ["V1", "V2", "V3", "V4"]),
     "study-trainer-gpt2": (("claims.csv", "verdicts.csv", "per_layer.csv", "robustness.csv"), ["T1", "T2", "T3", "T4"]),
     "study-causal-cpu": (("claims.csv", "verdicts.csv"), ["O1", "O2"]),
+    "study-family-cpu": (("claims.csv", "verdicts.csv", "family_claims.csv", "family_seeds.csv"), ["F1", "F2", "F4"]),
 }
 
 
@@ -294,13 +295,16 @@ def test_a_refused_sitting_changes_nothing_and_amend_registers_the_edit(tmp_path
 
 def test_a_study_without_records_is_pinned(tmp_path, capsys, monkeypatch):
     """causal-cpu had no records: cutting a primary from its study file changed VERDICTS.md silently. A
-    study's pin (preregistration_pin.json: the pre-registration's and claims.csv's digests; family-cpu's
-    here) makes verdicts refuse an edited study file or claims.csv in one line; an unpinned study with
-    primaries is refused."""
+    study's pin (preregistration_pin.json: the pre-registration's and claims.csv's digests) makes
+    verdicts refuse an edited study file or claims.csv in one line; an unpinned study with primaries is
+    refused. Every committed study has records now: the pinned study here is family-cpu's tables
+    without them, pinned as `qkgeom amend --pin` pins."""
     from qkgeom import config as C
+    from qkgeom.analysis.prereg import write_pin
 
     root = tmp_path / "results"
-    shutil.copytree(RESULTS / "study-family-cpu", root / "study-family-cpu")
+    shutil.copytree(RESULTS / "study-family-cpu", root / "study-family-cpu", ignore=shutil.ignore_patterns("runs"))
+    write_pin(root / "study-family-cpu")
     configs = tmp_path / "configs"
     shutil.copytree(C.CONFIG_DIR, configs)
     monkeypatch.setattr(C, "CONFIG_DIR", configs)
