@@ -372,6 +372,19 @@ def _loss_matched(df: pd.DataFrame, metrics: pd.DataFrame, arm: str) -> pd.Serie
     return pd.Series(out, dtype=float)
 
 
+def _loss_matched_rows(df: pd.DataFrame, metrics: pd.DataFrame, note: str) -> list[dict]:
+    """MATCHED_ARM - none in attention entropy at matched validation loss: over the layers' mean, then
+    per layer (that layer's entropy, the same loss matching)."""
+    what = f"{MATCHED_ARM} - none at matched validation loss: attention entropy (nats)"
+    cid = claim_id(MATCHED_ARM, "none", "attention_entropy:loss_matched")
+    win = "post-transient, loss-matched"
+    rows = _direction_row(_loss_matched(df, metrics, MATCHED_ARM), what, cid, "mean over layers", win, +1, note)
+    for layer in sorted(df.loc[df["head"] == -1, "layer"].unique()):
+        m = _loss_matched(df[df["layer"] == layer], metrics, MATCHED_ARM)
+        rows += _direction_row(m, what, cid, f"layer={layer}", win, +1, note)
+    return rows
+
+
 def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame:
     """The causal test: per arm, manipulation checks (arm - none on each mediator, paired by seed),
     then the outcome (attention entropy) judged only if the manipulation moved its activation-side
@@ -450,16 +463,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
     rows += temperature_rows(df, note)
     rows += instant_rows(df, note)
     if MATCHED_ARM in arms and len(metrics):
-        m = _loss_matched(df, metrics, MATCHED_ARM)
-        rows += _direction_row(
-            m,
-            f"{MATCHED_ARM} - none at matched validation loss: attention entropy (nats)",
-            claim_id(MATCHED_ARM, "none", "attention_entropy:loss_matched"),
-            "mean over layers",
-            "post-transient, loss-matched",
-            +1,
-            note,
-        )
+        rows += _loss_matched_rows(df, metrics, note)
     rows += control_rows(df)
     return rows_table(rows)
 

@@ -317,8 +317,9 @@ def robustness_variants(
     return out
 
 
-def layer_rows_l3(top: pd.DataFrame, margin: float) -> pd.DataFrame:
-    """L3's per-layer rows (analysis.layers): the last-half PR_K slope at the top budget, per layer."""
+def layer_rows_ladder(top: pd.DataFrame, margin: float) -> pd.DataFrame:
+    """L3's and L4's per-layer rows (analysis.layers) at the top budget: the last-half PR_K slope, and the
+    contrast's early - late slope, per layer."""
     from qkgeom.analysis.layers import layer_rows
 
     s = last_half_slopes(top)
@@ -326,4 +327,10 @@ def layer_rows_l3(top: pd.DataFrame, margin: float) -> pd.DataFrame:
     per_seed = {f"layer {layer}": g.set_index("seed")["slope"] for layer, g in s.groupby("layer")}
     budget = f"{top['budget_m'].max():g} M"
     claim = f"PR_K shrinks at {budget} tokens: last-half slope (per doubling)"
-    return layer_rows("L3", claim, CLAIM_IDS["L3"], per_seed, sign=-1, window=f"last half, {budget}", margin=margin)
+    l3 = layer_rows("L3", claim, CLAIM_IDS["L3"], per_seed, sign=-1, window=f"last half, {budget}", margin=margin)
+    # L4 per layer: the layer's own contrast, early slope - late slope on log2(step), per seed
+    per_seed = {f"layer {layer}": decay(g).set_index("seed")["decay"] for layer, g in top.groupby("layer")}
+    claim = f"early trend that decays at {budget}: contrast slope early - late (per doubling)"
+    l4 = layer_rows("L4", claim, CLAIM_IDS["L4"], per_seed, sign=+1, window=f"steps <= {EARLY_MAX_STEP} vs later",
+                    margin=margin)  # fmt: skip
+    return pd.concat([l3, l4], ignore_index=True)

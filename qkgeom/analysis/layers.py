@@ -1,6 +1,6 @@
-"""Per-layer rows of a pooled primary (issue 56): a primary that averages layers (P1, T1-T3, L3) gets
-one row per layer, over the same seeds and window, judged like the pooled row, with Holm over the
-claim's layers (its own family, secondary to the study's). Where layers move in opposite directions
+"""Per-layer rows of a pooled primary (issue 56): a primary that averages layers (P1, T1-T4, L3, O1,
+O2, F1, F2) gets one row per layer, over the same seeds and window, judged like the pooled row, with
+Holm over the claim's layers (its own family, secondary to the study's). Where layers move in opposite directions
 the pooled row is their net, and `sign_reading` says so.
 
 per_layer.csv columns: the claims columns of each layer row, `primary` (the pooled row's id) and
@@ -12,6 +12,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis import stats
+from qkgeom.analysis.claims import comovement_per_seed, comovement_table
 from qkgeom.analysis.primary import error_control_p, readable
 from qkgeom.analysis.robustness import pooled_primaries
 from qkgeom.analysis.rows import rows_table, seed_row
@@ -46,23 +47,53 @@ def layer_rows(
     return out.assign(p_holm_layers=stats.holm(np.array(p, float)))
 
 
-def slope_layer_rows(per_run: pd.DataFrame, claims: pd.DataFrame, margin: float = np.nan) -> pd.DataFrame:
-    """Per-layer rows of the study's pooled slope primaries (robustness.pooled_primaries of the claims
-    table adjust_primary marked), from per_run_statistics rows of their post-transient window: per
-    seed, the mean over its runs at that layer (a study of several depths keys its layers by depth)."""
+def slope_layer_rows(
+    per_run: pd.DataFrame, claims: pd.DataFrame, margin: float = np.nan, window: pd.DataFrame | None = None
+) -> pd.DataFrame:
+    """Per-layer rows of the study's pooled slope and co-movement primaries (robustness.pooled_primaries
+    of the claims table adjust_primary marked). Slopes from per_run_statistics rows of their
+    post-transient window: per seed, the mean over its runs at that layer (a study of several depths
+    keys its layers by depth). Co-movement (with `window`, those window rows): comovement_per_seed of
+    the layer's own series, as the pooled row averages them."""
     parts = []
     depths = per_run["n_layers"].nunique() if len(per_run) else 0
+
+    def name(depth: int, layer: int) -> str:
+        return f"layer {layer}" if depths == 1 else f"depth {depth} layer {layer}"
+
     for r, kind in pooled_primaries(claims):
-        if kind[0] != "slope":
+        if kind[0] == "slope":
+            per_seed = {name(depth, layer): g.groupby("seed")[f"slope:{kind[1]}"].mean()
+                        for (depth, layer), g in per_run.groupby(["n_layers", "layer"])}  # fmt: skip
+        elif window is not None:
+            per_seed = {name(depth, layer): pd.Series(comovement_per_seed(comovement_table(g), kind[1], kind[2])[0])
+                        for (depth, layer), g in window.groupby(["n_layers", "layer"])}  # fmt: skip
+        else:
             continue
-        _, metric, sign = kind
-        per_seed = {
-            (f"layer {layer}" if depths == 1 else f"depth {depth} layer {layer}"): g.groupby("seed")[
-                f"slope:{metric}"
-            ].mean()
-            for (depth, layer), g in per_run.groupby(["n_layers", "layer"])
-        }
-        parts.append(layer_rows(r.primary, r.claim, r.claim_id, per_seed, sign=sign, window=r.window, margin=margin))
+        parts.append(layer_rows(r.primary, r.claim, r.claim_id, per_seed, sign=kind[-1], window=r.window,
+                                margin=margin))  # fmt: skip
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
+
+
+POOLED_GROUPS = ("mean over layers", "layer mean")
+LAYER_GROUP = r"^layer[= ](\d+)$"  # a claim's row for one layer: `layer=2` (causal) or `layer 2` (family)
+
+
+def claim_layer_rows(claims: pd.DataFrame) -> pd.DataFrame:
+    """Per-layer rows of the pooled primaries (group `mean over layers` or `layer mean`) whose claims
+    table holds the same claim per layer (same claim_id and window): those rows as the study judged
+    them, under `layer <i>`, with the pooled row's id and Holm over the claim's readable layer rows."""
+    parts = []
+    layered = claims["group"].astype(str).str.extract(LAYER_GROUP, expand=False)
+    for r in claims[(claims["primary"] != "") & claims["group"].isin(POOLED_GROUPS)].itertuples(index=False):
+        mine = claims[(claims["claim_id"] == r.claim_id) & (claims["window"] == r.window) & layered.notna()]
+        if mine.empty:
+            continue
+        mine = mine.assign(group="layer " + layered[mine.index], primary=r.primary)
+        ok = mine["verdict"].map(readable)
+        p = [error_control_p(a, b) if o else np.nan for a, b, o in zip(mine["p_value"], mine["p_sign_flip"], ok,
+                                                                         strict=True)]  # fmt: skip
+        parts.append(mine.assign(p_holm_layers=stats.holm(np.array(p, float))))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 

@@ -95,9 +95,11 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     written = {"summary": traj, "claims": claims, **tables}
     if blind:  # no claims.csv or verdicts.csv until the registered n is in: the checks go to their own table
         written = {"summary": traj, INTERIM_CHECKS: claims}
-    per_run = A.per_run_statistics(A.window(base if len(base) else geometry, "post-transient"))
-    by_layer = layers.slope_layer_rows(per_run, claims, float(pre.get("margin", np.nan)))
-    if len(by_layer) and not blind:  # a pooled slope primary's per-layer rows (analysis.layers)
+    post = A.window(base if len(base) else geometry, "post-transient")
+    per_run = A.per_run_statistics(post)
+    by_layer = pd.concat([layers.slope_layer_rows(per_run, claims, float(pre.get("margin", np.nan)), post),
+                          layers.claim_layer_rows(claims)], ignore_index=True)  # fmt: skip
+    if len(by_layer) and not blind:  # a pooled primary's per-layer rows (analysis.layers)
         written[layers.TABLE] = by_layer
     for name, df in written.items():
         write_table(path, name, df, parquet=True)
@@ -315,7 +317,7 @@ def ladder_tables(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.Data
     write_table(path, LADDER_TABLE, summary)
     families = R.registered(pre, L.VARIANTS)
     top = g[g["budget_m"] == g["budget_m"].max()]
-    write_table(path, layers.TABLE, L.layer_rows_l3(top, float(pre.get("margin", np.nan))))
+    write_table(path, layers.TABLE, L.layer_rows_ladder(top, float(pre.get("margin", np.nan))))
     if families:  # the registered robustness variants of L1-L4 (analysis.robustness)
         variants = L.robustness_variants(g, m, float(pre.get("margin", np.nan)), families)
         write_table(path, R.TABLE, R.variant_table(L.primary_rows(claims), variants))

@@ -232,8 +232,23 @@ def family_claims(seeds: pd.DataFrame) -> pd.DataFrame:
             rows.append(_seed_row(g["rho"].to_numpy(), F5, "all heads", win, +1, f"revision step_{int(step)}"))
     for (win, layer), g in trend[trend["layer"] != "mean"].groupby(["window", "layer"]):
         note = early_note if win == "early" else late_note
-        rows.append(_seed_row(g["rho"].to_numpy(), PER_LAYER, f"layer {layer}", win, None, note))
+        sign = +1 if win == "early" else None  # F1 per layer (analysis.layers reads it); late: descriptive
+        rows.append(_seed_row(g["rho"].to_numpy(), PER_LAYER, f"layer {layer}", win, sign, note))
+    rows += _per_layer_decay(trend, early_note, late_note)
     return numeric_columns(pd.DataFrame(rows, columns=CLAIM_COLUMNS))
+
+
+def _per_layer_decay(trend: pd.DataFrame, early_note: str, late_note: str) -> list[dict]:
+    """F2 per layer (analysis.layers gives the pooled primaries per-layer rows): each layer's early rho -
+    late rho, per seed, judged as the layer-mean row is (t scale)."""
+    rows = []
+    for layer, g in trend[trend["layer"] != "mean"].groupby("layer"):
+        by = g.pivot_table(index="seed", columns="window", values="rho")
+        if {"early", "late"} <= set(by):
+            both = by[["early", "late"]].dropna()
+            decay = (both["early"] - both["late"]).to_numpy()
+            rows.append(_seed_row(decay, F2, f"layer {layer}", "early vs late", +1, f"{early_note} vs {late_note}"))
+    return rows
 
 
 def write_family_tables(path: str | Path) -> pd.DataFrame:

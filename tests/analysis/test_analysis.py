@@ -411,3 +411,29 @@ def test_per_layer_rows_say_when_a_pooled_primary_is_a_net_of_opposite_layers():
     )
     assert layers.sign_reading(rows.iloc[[0]], "P1") == "agree in sign (1 layers)"
     assert layers.sign_reading(rows, "T1") == ""
+
+
+def test_a_pooled_primary_gets_its_layers_rows_with_holm_over_them():
+    """claim_layer_rows: a primary over `mean over layers` takes the same claim's `layer=<i>` rows of
+    the same window (other windows, claims and unjudged rows aside), renamed `layer <i>`, with Holm over
+    its readable layers on the larger of p and the sign-flip p; sign_reading then says the layers
+    disagree where one interval lies above 0 and another below."""
+    from qkgeom.analysis import layers
+
+    def row(group, window, value, lo, hi, p, flip, verdict, cid="a-none.attention_entropy", primary=""):
+        return dict(claim="x", claim_id=cid, group=group, window=window, value=value, ci_low=lo, ci_high=hi,
+                    p_value=p, p_sign_flip=flip, verdict=verdict, primary=primary)  # fmt: skip
+
+    claims = pd.DataFrame([
+        row("mean over layers", "post-transient", 0.1, 0.05, 0.15, 0.01, 0.01, "holds", primary="O1"),
+        row("layer=0", "post-transient", 0.3, 0.2, 0.4, 0.001, 0.004, "holds"),
+        row("layer=1", "post-transient", -0.2, -0.3, -0.1, 0.02, 0.01, "fails"),
+        row("layer=2", "post-transient", 0.0, -0.1, 0.1, 0.5, 0.6, "manipulation failed"),
+        row("layer=0", "final", 9.0, 8.0, 10.0, 0.001, 0.001, "holds"),
+        row("layer=0", "post-transient", 9.0, 8.0, 10.0, 0.001, 0.001, "holds", cid="other"),
+    ])  # fmt: skip
+    out = layers.claim_layer_rows(claims)
+    assert list(out["group"]) == ["layer 0", "layer 1", "layer 2"] and set(out["primary"]) == {"O1"}
+    np.testing.assert_allclose(out["p_holm_layers"][:2], [0.008, 0.02])  # Holm over 2: 2 x 0.004, then 0.02
+    assert np.isnan(out["p_holm_layers"].iloc[2])  # an unreadable layer enters no family
+    assert layers.sign_reading(out, "O1").startswith("disagree in sign (+ in 0; - in 1)")

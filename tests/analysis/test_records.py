@@ -24,8 +24,11 @@ REDERIVED = {
     "causal-shape-cpu": (("claims.csv", "verdicts.csv"), ["C1"]),
     "causal-v4-cpu": (("claims.csv", "verdicts.csv", "matched_dose.csv", "scale_check.csv"), ["V1", "V2", "V3", "V4"]),
     "study-trainer-gpt2": (("claims.csv", "verdicts.csv", "per_layer.csv", "robustness.csv"), ["T1", "T2", "T3", "T4"]),
-    "study-causal-cpu": (("claims.csv", "verdicts.csv"), ["O1", "O2"]),
-    "study-family-cpu": (("claims.csv", "verdicts.csv", "family_claims.csv", "family_seeds.csv"), ["F1", "F2", "F4"]),
+    "study-causal-cpu": (("claims.csv", "verdicts.csv", "per_layer.csv"), ["O1", "O2"]),
+    "study-family-cpu": (
+        ("claims.csv", "verdicts.csv", "family_claims.csv", "family_seeds.csv", "per_layer.csv"),
+        ["F1", "F2", "F4"],
+    ),
 }
 
 
