@@ -7,7 +7,7 @@ an unregistered study gets no variants, and an unknown name is refused."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import pandas as pd
@@ -58,6 +58,39 @@ def reading(table: pd.DataFrame, cid: str) -> str:
         if differ == 0
         else f"choice-dependent ({differ} of {len(mine)} variants differ)"
     )
+
+
+SEED_VARIANT = "leave one seed out"  # what a study of contrasts or trends (causal, family) can register
+
+
+def leave_one_seed_out(
+    claims: pd.DataFrame, seeds: Iterable[int], rebuild: Callable[[int], pd.DataFrame]
+) -> pd.DataFrame:
+    """robustness.csv of a study whose primaries are contrasts or trends (an intervention study's arms,
+    a family study's trends): each primary row re-judged by the study's own claims builder on its
+    records without each seed in turn. rebuild(seed) -> the claims table without that seed; a primary
+    is found there by its claim_id, group and window."""
+    primaries = claims[claims["primary"] != ""]
+    found = {r.primary: pd.Series(r._asdict()) for r in primaries.itertuples(index=False)}
+    variants = []
+    for seed in seeds:
+        other = rebuild(seed)
+        picked = {}
+        for r in primaries.itertuples(index=False):
+            m = other[(other["claim_id"] == r.claim_id) & (other["group"] == r.group) & (other["window"] == r.window)]
+            if len(m) == 1:
+                picked[r.primary] = m.iloc[0]
+        variants.append((f"leave out seed {seed}", picked))
+    return variant_table(found, variants) if found else pd.DataFrame(columns=COLUMNS)
+
+
+def only_seed_variant(families: Iterable[str]) -> None:
+    """A study whose primaries are not slopes can register only SEED_VARIANT (an axis or window variant
+    would not vary its statistic): anything else is refused."""
+    other = [f for f in families if f != SEED_VARIANT]
+    if other:
+        raise AnalysisError(f"robustness variant {other[0]!r} applies to slope primaries; this study's primaries "
+                            f"are contrasts or trends: register only {SEED_VARIANT!r}")  # fmt: skip
 
 
 # The main study's primaries (a slope, or co-movement beyond the shared clock, pooled over layers and

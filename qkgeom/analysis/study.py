@@ -88,8 +88,8 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     claims, blind = _blind_until_complete(path, geometry, claims, tables)
     claims = A.numeric_columns(P.adjust_primary(claims, pre.get("primary", []), strict=not blind))
     tables["verdicts"] = verdicts(claims)
-    if (families := R.registered(pre, R.MAIN_VARIANTS)) and len(base) and not blind:  # analysis.robustness
-        tables[R.TABLE] = R.main_variants(base, claims, float(pre.get("margin", np.nan)), families)
+    if (families := R.registered(pre, R.MAIN_VARIANTS)) and not blind and extra is None:  # analysis.robustness
+        tables[R.TABLE] = _variants(path, geometry, metrics, claims, float(pre.get("margin", np.nan)), families)
     if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
         tables["scale_check"] = claims[claims["claim_id"].str.contains(r"-sham\.(?:scale_check|delivered_dose):")]
     written = {"summary": traj, "claims": claims, **tables}
@@ -137,6 +137,24 @@ def _claim_parts(
     if extra is not None:
         parts += extra(path)
     return pd.concat(parts, ignore_index=True), tables
+
+
+def _variants(
+    path: Path, geometry: pd.DataFrame, metrics: pd.DataFrame, claims: pd.DataFrame, margin: float, families: list
+) -> pd.DataFrame:
+    """robustness.csv: a main study's slope and co-movement primaries under the registered variants, or
+    an intervention study's contrasts without each seed (its own claims builder on the rest). A family
+    study's trends are varied by the families wing, which judges them."""
+    base = geometry[geometry["intervention"] == "none"]
+    if len(base) and R.pooled_primaries(claims):
+        return R.main_variants(base, claims, margin, families)
+    R.only_seed_variant(families)
+
+    def rebuild(seed: int) -> pd.DataFrame:
+        kept = geometry[geometry["seed"] != seed], metrics[metrics["seed"] != seed]
+        return A.apply_margin(_claim_parts(path, *kept, None)[0], margin)
+
+    return R.leave_one_seed_out(claims, sorted(geometry["seed"].unique()), rebuild)
 
 
 def _blind_until_complete(

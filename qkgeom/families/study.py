@@ -22,6 +22,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom import config as C
+from qkgeom.analysis import robustness as R
 from qkgeom.analysis.families import (
     CONTRAST_SLOPE,
     CONTRAST_TREND,
@@ -30,6 +31,7 @@ from qkgeom.analysis.families import (
     family_trends,
     load_family,
 )
+from qkgeom.analysis.prereg import study_analysis
 from qkgeom.analysis.rows import CLAIM_COLUMNS, claim_row, numeric_columns, seed_row
 from qkgeom.analysis.runs import run_folders
 from qkgeom.families.config import PretrainedConfig
@@ -272,4 +274,13 @@ def analyze_study(path: str | Path):
     from qkgeom.analysis.study import analyze
 
     path = Path(path)
-    return analyze(path, extra=lambda p: [write_family_tables(p)] if has_families(p) else [])
+    a = analyze(path, extra=(lambda p: [write_family_tables(p)]) if has_families(path) else None)
+    families = R.registered(study_analysis(path), R.MAIN_VARIANTS)
+    if families and has_families(path):  # the family trends without each seed (analysis.robustness)
+        R.only_seed_variant(families)
+        seeds = seed_statistics(path)
+        table = R.leave_one_seed_out(
+            a.claims, sorted(seeds["seed"].unique()), lambda s: family_claims(seeds[seeds["seed"] != s])
+        )
+        write_table(path, R.TABLE, table)
+    return a
