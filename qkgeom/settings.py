@@ -50,8 +50,8 @@ class ProbeSettings:
     running covariances are float64 either way."""
 
     def __post_init__(self) -> None:
-        if self.logit_seqs is not None and self.logit_seqs < 1:
-            raise ConfigError(f"logit_max_seqs must be >= 0 (0 = all), got {self.logit_seqs}")
+        if self.logit_seqs is not None and self.logit_seqs < 1:  # ProbeSettings.of maps a config's 0 to None
+            raise ConfigError(f"logit_seqs must be None (all) or >= 1, got {self.logit_seqs}")
         if self.gram_dtype not in GRAM_DTYPES:
             raise ConfigError(f"gram_dtype must be one of {GRAM_DTYPES}, got {self.gram_dtype!r}")
 

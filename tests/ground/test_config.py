@@ -69,5 +69,5 @@ def test_probe_settings_are_one_checked_value_with_one_zero_means_all_door():
         C.load("tiny", ["probe.logit_max_seqs=-2"])
     with pytest.raises(C.ConfigError, match=r"^pretrained.gram_dtype must be one of .* got 'float16'$"):
         load_pretrained(None, ["model=x", "gram_dtype='float16'"])
-    with pytest.raises(C.ConfigError, match="logit_max_seqs must be >= 0"):
+    with pytest.raises(C.ConfigError, match=r"logit_seqs must be None \(all\) or >= 1, got 0"):
         C.ProbeSettings(logit_seqs=0)  # None is "all" inside the value: 0 there is a mistake
