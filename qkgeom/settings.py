@@ -187,11 +187,6 @@ class ProbeConfig:
     (the powerlaw package's fit without xmax, tail >= 10 eigenvalues); every alpha row's note names it."""
 
     @property
-    def conventions(self) -> Conventions:
-        """The spectral conventions of this probe, as one checked value."""
-        return self.settings.conventions
-
-    @property
     def settings(self) -> ProbeSettings:
         """How this run's probes measure, as one checked value (training probes: float64 Grams)."""
         return ProbeSettings.of(self.logit_max_seqs, self.pr_convention, self.alpha_convention)

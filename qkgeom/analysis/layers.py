@@ -1,7 +1,7 @@
-"""Per-layer rows of a pooled primary (issue 56): a primary that averages layers (P1, T1-T4, L3, O1,
-O2, F1, F2) gets one row per layer, over the same seeds and window, judged like the pooled row, with
-Holm over the claim's layers (its own family, secondary to the study's). Where layers move in opposite directions
-the pooled row is their net, and `sign_reading` says so.
+"""Per-layer rows of a pooled primary (issue 56): a primary that averages layers (P1, T1-T4, L3, L4,
+O1, O2, F1, F2) gets one row per layer, over the same seeds and window, judged like the pooled row,
+with Holm over the claim's layers (its own family, secondary to the study's). Where layers move in
+opposite directions the pooled row is their net, and `sign_reading` says so.
 
 per_layer.csv columns: the claims columns of each layer row, `primary` (the pooled row's id) and
 `p_holm_layers`."""
@@ -41,20 +41,24 @@ def layer_rows(
         )
         for group, v in per_seed.items()
     ]  # fmt: skip
-    out = rows_table(rows).assign(primary=cid)
-    ok = out["verdict"].map(readable)
-    p = [error_control_p(a, b) if r else np.nan for a, b, r in zip(out["p_value"], out["p_sign_flip"], ok, strict=True)]
-    return out.assign(p_holm_layers=stats.holm(np.array(p, float)))
+    return with_layer_holm(rows_table(rows).assign(primary=cid))
 
 
-def slope_layer_rows(
-    per_run: pd.DataFrame, claims: pd.DataFrame, margin: float = np.nan, window: pd.DataFrame | None = None
-) -> pd.DataFrame:
+def with_layer_holm(rows: pd.DataFrame) -> pd.DataFrame:
+    """One claim's layer rows with p_holm_layers: Holm over its readable rows on error_control_p (the
+    larger of p and the sign-flip p); an unreadable row enters no family (NaN)."""
+    ok = rows["verdict"].map(readable)
+    p = [error_control_p(a, b) if r else np.nan for a, b, r in zip(rows["p_value"], rows["p_sign_flip"], ok,
+                                                                     strict=True)]  # fmt: skip
+    return rows.assign(p_holm_layers=stats.holm(np.array(p, float)))
+
+
+def slope_layer_rows(window: pd.DataFrame, per_run: pd.DataFrame, claims: pd.DataFrame, margin: float) -> pd.DataFrame:
     """Per-layer rows of the study's pooled slope and co-movement primaries (robustness.pooled_primaries
-    of the claims table adjust_primary marked). Slopes from per_run_statistics rows of their
-    post-transient window: per seed, the mean over its runs at that layer (a study of several depths
-    keys its layers by depth). Co-movement (with `window`, those window rows): comovement_per_seed of
-    the layer's own series, as the pooled row averages them."""
+    of the claims table adjust_primary marked), on their post-transient `window` rows. Slopes from its
+    per_run_statistics `per_run`: per seed, the mean over its runs at that layer (a study of several
+    depths keys its layers by depth). Co-movement: comovement_per_seed of the layer's own series, as the
+    pooled row averages them."""
     parts = []
     depths = per_run["n_layers"].nunique() if len(per_run) else 0
 
@@ -65,11 +69,9 @@ def slope_layer_rows(
         if kind[0] == "slope":
             per_seed = {name(depth, layer): g.groupby("seed")[f"slope:{kind[1]}"].mean()
                         for (depth, layer), g in per_run.groupby(["n_layers", "layer"])}  # fmt: skip
-        elif window is not None:
+        else:
             per_seed = {name(depth, layer): pd.Series(comovement_per_seed(comovement_table(g), kind[1], kind[2])[0])
                         for (depth, layer), g in window.groupby(["n_layers", "layer"])}  # fmt: skip
-        else:
-            continue
         parts.append(layer_rows(r.primary, r.claim, r.claim_id, per_seed, sign=kind[-1], window=r.window,
                                 margin=margin))  # fmt: skip
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
@@ -89,11 +91,7 @@ def claim_layer_rows(claims: pd.DataFrame) -> pd.DataFrame:
         mine = claims[(claims["claim_id"] == r.claim_id) & (claims["window"] == r.window) & layered.notna()]
         if mine.empty:
             continue
-        mine = mine.assign(group="layer " + layered[mine.index], primary=r.primary)
-        ok = mine["verdict"].map(readable)
-        p = [error_control_p(a, b) if o else np.nan for a, b, o in zip(mine["p_value"], mine["p_sign_flip"], ok,
-                                                                         strict=True)]  # fmt: skip
-        parts.append(mine.assign(p_holm_layers=stats.holm(np.array(p, float))))
+        parts.append(with_layer_holm(mine.assign(group="layer " + layered[mine.index], primary=r.primary)))
     return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame()
 
 

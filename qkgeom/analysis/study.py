@@ -97,7 +97,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
         written = {"summary": traj, INTERIM_CHECKS: claims}
     post = A.window(base if len(base) else geometry, "post-transient")
     per_run = A.per_run_statistics(post)
-    by_layer = pd.concat([layers.slope_layer_rows(per_run, claims, float(pre.get("margin", np.nan)), post),
+    by_layer = pd.concat([layers.slope_layer_rows(post, per_run, claims, float(pre.get("margin", np.nan))),
                           layers.claim_layer_rows(claims)], ignore_index=True)  # fmt: skip
     if len(by_layer) and not blind:  # a pooled primary's per-layer rows (analysis.layers)
         written[layers.TABLE] = by_layer

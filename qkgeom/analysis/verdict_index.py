@@ -111,21 +111,12 @@ def _collect(root: Path) -> tuple[list, list, dict[str, pd.DataFrame], dict[str,
     return found, amended, variants, by_layer
 
 
-def _seed_values(r) -> np.ndarray:
-    """A row's per-seed values: its column, or for a frozen table written before it was one, its detail."""
-    v = A.per_seed_values(getattr(r, "per_seed", ""))
-    if len(v):
-        return v
-    seeds = re.search(r"per-seed (?:[a-z]+ )?\[([^\]]*)\]", str(r.detail))
-    return np.array([float(x) for x in seeds.group(1).split(",")]) if seeds else np.array([])
-
-
 def _tested(found: list) -> tuple[list, np.ndarray, np.ndarray]:
     """Per row (sign-flip p, floor, Holm input p or NaN where the row is unreadable), then Holm over
     every study's rows (descriptive) and within each study (the error control)."""
     tested = []
     for _, _, r, _ in found:
-        v = _seed_values(r)
+        v = A.per_seed_values(getattr(r, "per_seed", ""))  # a table without the column: no sign-flip p
         flip, floor = A.stats.sign_flip_p(v) if len(v) else (np.nan, np.nan)
         tested.append((flip, floor, P.error_control_p(r.p_value, flip) if P.readable(r.verdict) else np.nan))
     p_in = np.array([t[2] for t in tested])

@@ -253,9 +253,10 @@ def _per_layer_decay(trend: pd.DataFrame, early_note: str, late_note: str) -> li
     return rows
 
 
-def write_family_tables(path: str | Path) -> pd.DataFrame:
-    """seed_statistics and family_claims of the families under `path`, written as CSV; the claims."""
-    seeds = seed_statistics(path)
+def write_family_tables(path: str | Path, seeds: pd.DataFrame | None = None) -> pd.DataFrame:
+    """seed_statistics (`seeds`, if already read) and family_claims of the families under `path`,
+    written as CSV; the claims."""
+    seeds = seed_statistics(path) if seeds is None else seeds
     claims = family_claims(seeds)
     write_table(path, Path(FAMILY_SEEDS_CSV).stem, seeds)
     write_table(path, Path(FAMILY_CLAIMS_CSV).stem, claims)
@@ -274,11 +275,12 @@ def analyze_study(path: str | Path):
     from qkgeom.analysis.study import analyze
 
     path = Path(path)
-    a = analyze(path, extra=(lambda p: [write_family_tables(p)]) if has_families(path) else None)
-    families = R.registered(study_analysis(path), R.MAIN_VARIANTS)
-    if families and has_families(path):  # the family trends without each seed (analysis.robustness)
+    if not has_families(path):
+        return analyze(path)
+    seeds = seed_statistics(path)  # read once: the claims, and each seed left out of them
+    a = analyze(path, extra=lambda p: [write_family_tables(p, seeds)])
+    if families := R.registered(study_analysis(path), R.MAIN_VARIANTS):  # analysis.robustness
         R.only_seed_variant(families)
-        seeds = seed_statistics(path)
         table = R.leave_one_seed_out(
             a.claims, sorted(seeds["seed"].unique()), lambda s: family_claims(seeds[seeds["seed"] != s])
         )
