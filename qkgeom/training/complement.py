@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from qkgeom import device as D
+from qkgeom import solves as S
 from qkgeom.probing.geometry import participation_ratio
 from qkgeom.training.interventions import (
     CONTROL_ROW_STD_METRIC,
@@ -180,7 +181,7 @@ def self_reference(model: torch.nn.Module, idx: Tensor) -> tuple[dict[str, Tenso
     pr, std, scale = [], [], []
     for li, k in enumerate(w_k):
         cov_k = k.transpose(-1, -2).double() @ covs[li] @ k.double()  # (H, E, E)
-        pr.append(participation_ratio(torch.linalg.eigvalsh(cov_k).clamp_min(0)))
+        pr.append(participation_ratio(S.eigvalsh(cov_k).clamp_min(0)))
         std.append(batch_row_std(w_q[li], k, inputs[li]))
         scale.append(logit_scale(w_q[li], k, covs[li], means[li]))
     row_std = torch.stack(std)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from qkgeom import solves as S
 from qkgeom.probing.geometry import input_logit_scale, logit_row_std, triangular_factor
 
 Tensor = torch.Tensor
@@ -63,6 +64,7 @@ def scheduled_target(pr0: Tensor | float, step: int, total_steps: int, ratio: fl
     return pr0 * (1 - (1 - ratio) * progress)
 
 
+@S.host
 def key_spectrum(w_k: Tensor) -> tuple[Tensor, Tensor]:
     """Singular values (descending) and right singular vectors of W_K heads (h, D, E), from the
     E x E Gram matrix (float64): s (h, E), V (h, E, E); an SVD of W_K where that eigh fails."""
@@ -87,6 +89,7 @@ def _update_factor(w: Tensor, u: Tensor | None, m: Tensor, r: Tensor) -> Tensor:
     return w + u @ m @ r
 
 
+@S.host
 def interaction_svd(w_q: Tensor, w_k: Tensor) -> tuple[Tensor, ...]:
     """W_Q W_K^T = (U_q A) diag(s) (U_k B)^T for heads (h, D, E), from the E x E product R_q R_k^T;
     returns (s, A, B, U_q, R_q, U_k, R_k) (U None where not formed, see geometry.triangular_factor)."""
@@ -180,7 +183,7 @@ def key_shape_map(w_k: Tensor, cov_x: Tensor, target_pr: Tensor, floor: float = 
     (new W_K, the target used (H,), whether the floor raised it (H,)). Targets above E clip to E."""
     w = w_k.to(torch.float64)
     cov_k = w.transpose(-1, -2) @ cov_x.to(torch.float64) @ w  # (H, E, E)
-    lam, v = torch.linalg.eigh(cov_k)
+    lam, v = S.eigh(cov_k)
     lam, v = lam.flip(-1).clamp_min(0), v.flip(-1)  # descending
     e = lam.shape[-1]
     want = torch.as_tensor(target_pr, dtype=torch.float64)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from qkgeom import solves as S
 from qkgeom.config import ModelConfig
 
 
@@ -150,11 +151,11 @@ def init_qk(cfg: ModelConfig, g: torch.Generator) -> tuple[torch.Tensor, torch.T
         return w * (target / w.flatten(1).norm(dim=1)).view(H, 1, 1)
 
     if cfg.qk_init == "orthogonal":
-        basis, _ = torch.linalg.qr(torch.randn(H, D, 2 * E, generator=g, dtype=torch.float64))
+        basis, _ = S.qr(torch.randn(H, D, 2 * E, generator=g, dtype=torch.float64))
 
         def gaussian_head_in(p: torch.Tensor) -> torch.Tensor:  # p (H, D, E) orthonormal columns
-            _, s, vh = torch.linalg.svd(torch.randn(H, D, E, generator=g, dtype=torch.float64), full_matrices=False)
-            rot, _ = torch.linalg.qr(torch.randn(H, E, E, generator=g, dtype=torch.float64))
+            _, s, vh = S.svd(torch.randn(H, D, E, generator=g, dtype=torch.float64), full_matrices=False)
+            rot, _ = S.qr(torch.randn(H, E, E, generator=g, dtype=torch.float64))
             return p @ rot @ (s.unsqueeze(-1) * vh)  # (H, D, E) with the Gaussian's singular values
 
         w_q, w_k = scaled(gaussian_head_in(basis[:, :, :E])), scaled(gaussian_head_in(basis[:, :, E:]))

@@ -113,3 +113,21 @@ def test_pretrained_cli_takes_a_device(tmp_path, wikitext):
         assert info["pretrained_config"]["device"] == dev
         rows[dev] = pd.read_parquet(next((tmp_path / dev).glob("*/geometry.parquet")))
     same_rows(rows["cpu"], rows["cuda"], rtol=1e-5)
+
+
+def test_decompositions_solve_on_the_host_and_return_to_cuda():
+    """qkgeom.solves.host on cuda tensors: results come back on the input's device, with the CPU's
+    values (and torch.return_types' names); triangular_factor's Gram route gives the CPU's R."""
+    from qkgeom import solves as S
+    from qkgeom.probing.geometry import robust_eigvalsh, triangular_factor
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(12, 96, 64, generator=g, dtype=torch.float64)
+    gram = w.transpose(-1, -2) @ w
+    out = S.eigh(gram.cuda())
+    assert out.eigenvalues.device.type == "cuda" and out.eigenvectors.device.type == "cuda"
+    assert torch.equal(out.eigenvalues.cpu(), torch.linalg.eigh(gram).eigenvalues)
+    assert torch.equal(robust_eigvalsh(gram.cuda()).cpu(), robust_eigvalsh(gram))
+    u, r = triangular_factor(w.cuda())
+    assert u is None and r.device.type == "cuda"
+    np.testing.assert_allclose(r.cpu().numpy(), triangular_factor(w)[1].numpy(), rtol=1e-10, atol=1e-12)

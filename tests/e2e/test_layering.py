@@ -16,7 +16,7 @@ README = PACKAGE.parent / "README.md"
 ORDER = [
     # ground: what every wing may use
     ["errors"],
-    ["device", "arms", "settings", "metrics"],
+    ["device", "solves", "arms", "settings", "metrics"],
     ["config"],
     ["results", "executor"],
     # probing: q, k, pattern -> rows

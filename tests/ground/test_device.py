@@ -4,12 +4,15 @@ CI has no GPU, so the guard runs the GPU-bound paths on the CPU under a torch fu
 refuses `.numpy()`, `.item()`, `.tolist()`, `float()`, `int()` and `np.asarray` on a tensor when the
 call is made by qkgeom code outside `qkgeom.device.to_host`: on a GPU `.numpy()` raises there
 (issue 53: the trainer crashed at its first probe) and every other such call is a host sync of its
-own. Library code (torch, transformers) is not judged, only qkgeom's own frames.
+own. A second mode refuses a torch.linalg decomposition made by qkgeom outside
+`qkgeom.solves.host` (on CUDA a batch of them is a loop of sequential solver calls). Library code
+(torch, transformers) is not judged, only qkgeom's own frames.
 """
 
 from __future__ import annotations
 
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 import qkgeom
 from qkgeom import device as D
+from qkgeom import solves as S
 
 PACKAGE = Path(qkgeom.__file__).resolve().parent
 CONVERSIONS = {"numpy", "item", "tolist", "__float__", "__int__", "__index__", "__array__"}
@@ -51,6 +55,45 @@ class HostGuard(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+DECOMPOSITIONS = {
+    "linalg_eigh", "linalg_eigvalsh", "linalg_svd", "linalg_svdvals", "linalg_qr", "linalg_cholesky",
+    "linalg_cholesky_ex", "linalg_eig", "linalg_eigvals",
+}  # fmt: skip
+
+
+class SolveGuard(TorchFunctionMode):
+    """Refuses a torch.linalg decomposition made by qkgeom code outside qkgeom.solves.host (on CUDA each
+    matrix of a batch over 32 x 32 is one sequential cuSOLVER call; qkgeom solves them on the host)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in DECOMPOSITIONS and not S.solving():
+            caller = _caller()
+            if caller is not None and Path(caller).resolve().is_relative_to(PACKAGE):
+                raise AssertionError(f"{name} outside qkgeom.solves.host, called from {caller}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def guarded():
+    """Both guards: conversions only through qkgeom.device, decompositions only through qkgeom.solves."""
+    with HostGuard(), SolveGuard():
+        yield
+
+
+def test_the_solve_guard_refuses_a_decomposition_outside_the_door():
+    """An eigvalsh as the probe made it before the door (geometry.robust_eigvalsh called
+    torch.linalg.eigvalsh on the device's matrix), run from a qkgeom frame, is refused; through the door
+    it passes with the values of the plain call, and a nested door call runs as it is."""
+    a = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
+    code = compile("torch.linalg.eigvalsh(a)", str(PACKAGE / "probing" / "geometry.py"), "eval")
+    with SolveGuard(), pytest.raises(AssertionError, match="linalg_eigvalsh outside qkgeom.solves.host"):
+        eval(code, {"a": a, "torch": torch})
+    with SolveGuard():
+        assert S.eigvalsh(a).tolist() == [1.0, 3.0]
+        assert S.host(lambda m: S.eigh(m).eigenvalues)(a).tolist() == [1.0, 3.0]  # names kept
+
+
 def test_the_guard_refuses_a_conversion_outside_the_door():
     """The guard fails on the pattern that crashed the trainer on a GPU ((s**2).numpy() in the probe's
     alpha rows, before the fix), run here from a qkgeom frame, and lets the door through."""
@@ -72,7 +115,7 @@ def test_probe_trainer_and_instant_complement_convert_only_through_the_door(tmp_
     base = ["train.steps=12", "probe.every=6", "train.eval_every=6", "intervention.control_seqs=2"]
     instant = "intervention.instant=['shape:activation:0.8:closed']"
     closed = ["intervention.kind='shape'", "intervention.ratio=0.8", "intervention.match_row_std=true"]
-    with HostGuard():
+    with guarded():
         none = train(C.load("tiny", [*base, instant]), tmp_path / "none", progress=False)
         arm = C.load("tiny", [*base, *closed, f"intervention.baseline='{tmp_path / 'none'}'"])
         train(arm, tmp_path / "arm", progress=False)
@@ -88,7 +131,7 @@ def test_pretrained_path_converts_only_through_the_door():
     torch.manual_seed(0)
     model = transformers.GPT2LMHeadModel(cfg).eval()
     ids = torch.randint(0, 50, (2, 16))
-    with HostGuard():
+    with guarded():
         rows, _ = analyse_model(model, iter([ids]))
     assert {r["metric"] for r in rows} >= {"query_participation_ratio", "attention_entropy"}
 
@@ -114,6 +157,6 @@ def test_the_probe_callback_path_converts_only_through_the_door(tmp_path):
     as a tensor, under the guard."""
     from tests.probing.test_tracking import train_with_probe
 
-    with HostGuard():
+    with guarded():
         train_with_probe(tmp_path / "p", steps=6, every=3)
     assert (tmp_path / "p" / "done.json").is_file()

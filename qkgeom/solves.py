@@ -1,0 +1,89 @@
+"""Dense decompositions: the one door from a device to LAPACK on the host.
+
+On CUDA, torch solves a batch of symmetric eigenproblems larger than 32 x 32 one matrix after another
+(cuSOLVER's batched routine is used only up to n = 32; pytorch/pytorch#175585), each call with a
+launch and an error check that waits for the device; SVDs and QR likewise. One probe at GPT-2-small
+width solves about 1,700 such matrices (64 x 64 head covariances and weight Grams, 256 x 256 logit
+Grams, 768 x 768 layer covariances): issue 53 measured ~10 s a probe on an H200, where ten training
+steps take ~0.3 s. A CPU solves the same batch with LAPACK in milliseconds per matrix, split over its
+threads (probing.geometry.batched_eigvalsh).
+
+So every eigendecomposition, SVD, QR and Cholesky factorisation qkgeom makes runs inside `host`: its
+tensor arguments are copied to the CPU once, the routine runs there (its fallbacks and finiteness
+checks too, so they cost no device sync), and its tensor results are copied back to the device of the
+first tensor argument. On a CPU `host` is the call itself: the numbers are the CPU's either way, so a
+probe on a GPU gives the CPU's spectra of the device's Gram matrices. The products that form those
+matrices stay on the device. tests/ground/test_device.py runs the probe, the trainer with its closed
+loop, the complement and the pretrained path under a mode that refuses a `torch.linalg` decomposition
+made by qkgeom outside this door (its SolveGuard).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextvars import ContextVar
+from typing import Any, TypeVar
+
+import torch
+
+F = TypeVar("F", bound=Callable[..., Any])
+_SOLVING: ContextVar[bool] = ContextVar("qkgeom_host_solve", default=False)
+
+
+def solving() -> bool:
+    """Whether the current call is inside `host` (the guard in tests/ground/test_device.py reads it)."""
+    return _SOLVING.get()
+
+
+def _device_of(args: tuple, kwargs: dict) -> torch.device | None:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            return a.device
+    return None
+
+
+def _moved(x: Any, device: torch.device) -> Any:
+    """`x` with every tensor in it (alone, or in a tuple or list) moved to `device`."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple):
+        items = [_moved(v, device) for v in x]
+        return type(x)(items) if hasattr(x, "n_fields") else tuple(items)  # torch.return_types keep their names
+    if isinstance(x, list):
+        return [_moved(v, device) for v in x]
+    return x
+
+
+def round_trip(fn: Callable, args: tuple, kwargs: dict, device: torch.device | None) -> Any:
+    """fn on the host copies of args, its results copied back to `device`: one crossing each way on a
+    device, the call itself on the CPU (bench/probe_syncs.py counts these)."""
+    if device is None or device.type == "cpu":
+        return fn(*args, **kwargs)
+    cpu = torch.device("cpu")
+    out = fn(*_moved(args, cpu), **{k: _moved(v, cpu) for k, v in kwargs.items()})
+    return _moved(out, device)
+
+
+def host(fn: F) -> F:
+    """`fn` (a decomposition, or a routine built of them) solved on the host, its results on the input's
+    device; a call already inside the door runs as it is."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if _SOLVING.get():
+            return fn(*args, **kwargs)
+        token = _SOLVING.set(True)
+        try:
+            return round_trip(fn, args, kwargs, _device_of(args, kwargs))
+        finally:
+            _SOLVING.reset(token)
+
+    return wrapper  # type: ignore[return-value]
+
+
+eigh = host(torch.linalg.eigh)
+eigvalsh = host(torch.linalg.eigvalsh)
+svd = host(torch.linalg.svd)
+svdvals = host(torch.linalg.svdvals)
+qr = host(torch.linalg.qr)
