@@ -4,9 +4,11 @@ job on a GPU, about 10 s each).
 A probe of our GPT (qkgeom.probing.probe.probe_gpt) is five parts, timed here one by one on the same
 model and batch:
 
-- forward:    the instrumented forward pass that returns q, k and the attention pattern per layer;
-- accumulate: covariances (float64 Gram sums) and attention entropy, per layer;
-- logits:     the logit (Q K^T) spectra of the first `logit_max_seqs` sequences (T x T solves);
+- forward:    the instrumented forward pass that hands q, k and the attention pattern of each layer to
+              the accumulator as it reaches the layer (probe_gpt streams; nothing of a layer is kept);
+- accumulate: covariances (float64 Gram sums) and attention entropy, per layer, inside the forward;
+- logits:     the logit (Q K^T) spectra of the first `logit_max_seqs` sequences (T x T solves), per
+              layer, inside the forward;
 - solves:     the covariance eigen-solves and the rows they give (GeometryAccumulator.rows);
 - weights:    the weight side (singular values of W_Q, W_K, W_V, W_O and W_Q W_K^T per head) ...
 - fits:       ... and its power-law alpha fits (timed apart from the weight spectra);
@@ -43,6 +45,7 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
     import pandas as pd
 
     from qkgeom import config as C
+    from qkgeom.probing import geometry as G
     from qkgeom.probing import probe as P
     from qkgeom.probing import weights as W
     from qkgeom.probing.alpha import power_law_alphas
@@ -57,20 +60,27 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
         t[name] = now - t0
         return now
 
+    inner = {"accumulate": 0.0, "logits": 0.0}
+
+    def on_layer(i: int, q, k, pat) -> None:  # probe_gpt's per-layer work, each half timed
+        _sync(device)
+        t1 = time.perf_counter()
+        acc._update_stats(i, q, k, pat, G.causal_support(q.shape[2]).expand(q.shape[0], -1), None)
+        _sync(device)
+        t2 = time.perf_counter()
+        acc._update_logits([i], [q], [k], True, None, [1.0])
+        _sync(device)
+        inner["accumulate"] += t2 - t1
+        inner["logits"] += time.perf_counter() - t2
+
     _sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
-        snap = P.gpt_snapshot(model, idx)
-        t0 = tick("forward", t0)
         acc = P.GeometryAccumulator(settings=settings)
-        mask = snap.token_mask
-        for i, (q, k, pat) in enumerate(zip(snap.q, snap.k, snap.pattern, strict=True)):
-            B, _, T, _ = q.shape
-            support = torch.cumsum(torch.ones(B, T, dtype=torch.long), 1)
-            acc._update_stats(i, q, k, pat, support, mask)
-        t0 = tick("accumulate", t0)
-        acc._update_logits(list(range(len(snap.q))), snap.q, snap.k, snap.causal, mask, [1.0] * len(snap.q))
-        t0 = tick("logits", t0)
+        P.stream_gpt(model, idx, on_layer)  # the forward, each layer accumulated as it is reached
+        t0 = tick("forward", t0)
+        t["forward"] -= sum(inner.values())
+        t |= inner
         rows = acc.rows()
         acc.spectra()
         t0 = tick("solves", t0)

@@ -35,6 +35,20 @@ def capture(model: nn.Module, names: Iterable[str]) -> Iterator[dict[str, torch.
 
 
 @contextmanager
+def observe(model: nn.Module, fns: dict[str, Callable[[torch.Tensor], None]]) -> Iterator[None]:
+    """Call each named site's fn with its detached output during forward passes in the block (the
+    output is not changed, nor kept)."""
+    handles = []
+    try:
+        for name, mod in _modules(model, list(fns)).items():
+            handles.append(mod.register_forward_hook(lambda m, i, o, fn=fns[name]: fn(o.detach())))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
 def patch(model: nn.Module, fns: dict[str, Callable[[torch.Tensor], torch.Tensor]]) -> Iterator[None]:
     """Replace each named site's output with fn(output) during the block."""
     handles = []

@@ -9,6 +9,7 @@ spectra come from :func:`weight_geometry`. Adding a metric = one line here + one
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -410,19 +411,30 @@ def activation_geometry(
     return rows, spectra
 
 
-def gpt_snapshot(model: torch.nn.Module, idx: Tensor) -> QKSnapshot:
-    """Run our GPT's explicit attention path on idx (B, T) and capture q, k, pattern per layer."""
-    from qkgeom.probing.hooks import capture
+def stream_gpt(model: torch.nn.Module, idx: Tensor, on_layer: Callable[[int, Tensor, Tensor, Tensor], None]) -> None:
+    """Run our GPT's explicit attention path on idx (B, T), handing each layer's q, k (B, H, T, E) and
+    pattern (B, H, T, T) to on_layer(i, q, k, pattern) as the forward reaches it; nothing of a layer is
+    kept after its call (a whole-model snapshot at GPT-2-small width holds 1.2 GB of patterns)."""
+    from qkgeom.probing.hooks import capture, observe
 
     n = len(model.blocks)
-    names = [f"blocks.{i}.attn.hook_{s}" for i in range(n) for s in ("q", "k", "pattern")]
-    with torch.no_grad(), capture(model, names) as store:
+    sites = [f"blocks.{i}.attn.hook_{s}" for i in range(n) for s in ("q", "k")]
+
+    def at_pattern(i: int) -> Callable[[Tensor], None]:
+        return lambda pat: on_layer(i, store.pop(sites[2 * i]), store.pop(sites[2 * i + 1]), pat)
+
+    patterns = {f"blocks.{i}.attn.hook_pattern": at_pattern(i) for i in range(n)}
+    with torch.no_grad(), capture(model, sites) as store, observe(model, patterns):
         model(idx, explicit=True)
-    return QKSnapshot(
-        q=[store[f"blocks.{i}.attn.hook_q"] for i in range(n)],
-        k=[store[f"blocks.{i}.attn.hook_k"] for i in range(n)],
-        pattern=[store[f"blocks.{i}.attn.hook_pattern"] for i in range(n)],
-    )
+
+
+def gpt_snapshot(model: torch.nn.Module, idx: Tensor) -> QKSnapshot:
+    """Run our GPT's explicit attention path on idx (B, T) and capture q, k, pattern per layer."""
+    qs: list[Tensor] = []
+    ks: list[Tensor] = []
+    pats: list[Tensor | None] = []
+    stream_gpt(model, idx, lambda i, q, k, pat: (qs.append(q), ks.append(k), pats.append(pat)))
+    return QKSnapshot(q=qs, k=ks, pattern=pats)
 
 
 def gpt_weights(model: torch.nn.Module) -> tuple[list[Tensor], list[Tensor]]:
@@ -443,7 +455,11 @@ def probe_gpt(
     """All activation- and weight-side rows and spectra of our GPT on the probe batch, measured as
     `settings` say (the logit spectrum's sequences, the Gram precision, the PR and alpha conventions)."""
     acc = GeometryAccumulator(settings=settings)
-    acc.update(gpt_snapshot(model, idx))
+
+    def layer(i: int, q: Tensor, k: Tensor, pat: Tensor) -> None:  # each layer streamed, as update() would
+        acc.update_layer(i, q, k, pat, G.causal_support(q.shape[2]).expand(q.shape[0], -1))
+
+    stream_gpt(model, idx, layer)
     w_v, w_o = gpt_value_output(model)
     w_rows, w_spectra = weight_geometry(*gpt_weights(model), w_v=w_v, w_o=w_o, conventions=settings.conventions)
     return acc.rows() + w_rows, {**acc.spectra(), **w_spectra}
