@@ -10,7 +10,11 @@
    context 256), against the time of 10 bare training steps at that width, and split by part
    (bench/probe_split.py: forward, accumulate, logits, solves, weights, fits, write);
 4. the bare training step against nanoGPT's model.py at both shapes, eager and compiled, if --nanogpt
-   names a folder holding it (a snapshot of karpathy/nanoGPT; not vendored here), else "not measured".
+   names a folder holding it (a snapshot of karpathy/nanoGPT; not vendored here), else "not measured";
+5. the solve door's premise: one probe's 576 logit Grams (256 x 256) solved by torch on the device
+   against the same batch through qkgeom.solves (on the host);
+6. many small runs on one device: K paper-preset runs at once through the local pool (K = 1, 4, 8),
+   aggregate tokens/s against one run.
 
 Prints one markdown table (and writes it to --out). `--device cpu --quick` runs the same script at
 small sizes on any machine, to check it before a lease.
@@ -20,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -113,12 +118,71 @@ def nanogpt(folder: Path, cfg: C.RunConfig, compiled: bool):
     return model, step
 
 
+def door_premise(dev: str, quick: bool) -> str:
+    """The solve door's premise (qkgeom.solves), timed: the eigenvalues of one probe's logit Grams at
+    GPT-2-small width (4 sequences x 12 heads x 12 layers of 256 x 256, float32) solved by torch on the
+    device, against the same batch through the door (copied to the host, solved there, copied back)."""
+    from qkgeom.probing.geometry import robust_eigvalsh
+
+    n, t = (48, 64) if quick else (576, 256)
+    x = torch.randn(n, t, t, device=dev)
+    gram = x.transpose(-1, -2) @ x
+
+    def timed(fn) -> float:
+        fn()
+        sync(dev)
+        tic = time.perf_counter()
+        fn()
+        sync(dev)
+        return time.perf_counter() - tic
+
+    on_device = timed(lambda: torch.linalg.eigvalsh(gram))
+    door = timed(lambda: robust_eigvalsh(gram, fast=True))
+    return f"{n} x {t}^2 float32: on the device {on_device:.3f} s, through the door {door:.3f} s"
+
+
+def concurrent_runs(dev: str, quick: bool, counts: list[int]) -> list[tuple[str, str]]:
+    """Many small runs on one device: K runs of the paper preset (~5 M parameters) at once through the
+    local pool (each worker cores // K threads; K = 1 runs in this process, K > 1 each in a spawned one),
+    for each K: tokens/s in all from each run's own clock after its start-up (done.json's
+    segment_seconds), and over the wall time with start-ups."""
+    import os
+
+    from qkgeom.training.sweep import RunSpec, execute
+
+    steps = 20 if quick else 200
+    over = [f"train.device='{dev}'", "data.source='wikitext-2'", f"train.steps={steps}", f"probe.every={steps}",
+            f"train.warmup_steps={steps // 20}", f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
+            *(["model.n_layers=2", "train.batch_size=8"] if quick else [])]  # fmt: skip
+    cores = os.cpu_count() or 1
+    out, one = [], None
+    for k in counts:
+        runs = [RunSpec(f"r{k}_{i}", {}, C.load("paper", [*over, f"train.seed={i}"])) for i in range(k)]
+        with tempfile.TemporaryDirectory() as tmp:
+            tic = time.perf_counter()
+            st = execute(runs, Path(tmp), k, max(1, cores // k), "local", None)
+            wall = time.perf_counter() - tic
+            done = [json.loads((Path(tmp) / r.run_id / "done.json").read_text()) for r in runs
+                    if (Path(tmp) / r.run_id / "done.json").is_file()]  # fmt: skip
+        ok = sum(s["status"] == "done" for s in st)
+        # each run's own clock after its start-up: the runs overlap, so their rates add up
+        rate = sum(d["tokens_seen"] / d["segment_seconds"] for d in done)
+        one = one or rate
+        tokens = sum(d["tokens_seen"] for d in done)
+        out.append((f"{k} paper-preset runs at once ({steps} steps each, {ok}/{k} done)",
+                    f"{rate:,.0f} tokens/s in all ({rate / one:.2f}x one run); with start-ups, "
+                    f"{tokens / wall:,.0f} tokens/s over {wall:.0f} s wall"))  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--nanogpt", type=Path, help="folder holding nanoGPT's model.py (a karpathy/nanoGPT snapshot)")
     ap.add_argument("--quick", action="store_true", help="small sizes: check the script (e.g. on a CPU)")
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "gpu" / "gpu_check.md")
+    ap.add_argument("--concurrent", type=int, nargs="*", default=[1, 4, 8],
+                    help="numbers of runs at once on the device to time (none: skip; default 1 4 8)")  # fmt: skip
     args = ap.parse_args()
     require_wikitext()
     dev = args.device
@@ -169,6 +233,8 @@ def main() -> None:
             theirs = bare_step_rate(cfg, theirs_step, 5 if args.quick else 30)
             rows.append((f"{label}: bare step, {kind}",
                          f"{mine:,.0f} vs nanoGPT {theirs:,.0f} tokens/s ({mine / theirs:.2f}x)"))  # fmt: skip
+    rows.append(("solve door: one probe's logit Grams", door_premise(dev, args.quick)))
+    rows += concurrent_runs(dev, args.quick, args.concurrent)
     table = "| check | result |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
     print(table)
     if not args.quick:
