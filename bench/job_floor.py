@@ -11,9 +11,9 @@ float64 fallback). The rest (statistics, rows, the part file) is bookkeeping tha
 
 Times, in one process and alternating, the medians over --reps of: one optimiser step
 (`_Run.train_step`), one evaluation (`_Run.evaluate`), one probe as the loop takes it (`_Run.probe`:
-divergence check, `probe_gpt`, the part write), its forward pass alone (`gpt_snapshot`), the wall
-time a probe spends inside the eigen-solvers (`robust_eigvalsh`, `singular_values`,
-`triangular_factor`, timed around each call), and one checkpoint (`_Run.checkpoint`). With the
+divergence check, `probe_gpt`, the part write), its forward pass alone (`stream_gpt`), the wall
+time a probe spends inside its decompositions (every call through `qkgeom.solves.host`, timed around
+each outermost one), and one checkpoint (`_Run.checkpoint`). With the
 run's own schedule it prints the job's share beyond its steps and its ratio to its own steps (what
 `bench/train_throughput.py` measures as "whole job / its own training steps") twice: as the job runs
 now, and at the floor (a probe that is its forward and its solves only, no bookkeeping at all;
@@ -35,42 +35,32 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import require_wikitext  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
-from qkgeom.probing import geometry as G  # noqa: E402
-from qkgeom.probing.probe import gpt_snapshot  # noqa: E402
+from qkgeom import solves as S  # noqa: E402
+from qkgeom.probing.probe import stream_gpt  # noqa: E402
 from qkgeom.results import RunDir  # noqa: E402
 from qkgeom.training.loop import _Run  # noqa: E402
 
-SOLVERS = ("robust_eigvalsh", "singular_values", "triangular_factor")
-
 
 class SolveClock:
-    """Wall seconds spent inside geometry's eigen-solvers while active (outermost calls only)."""
+    """Wall seconds spent inside qkgeom's decompositions while active: every eigen-, singular-value, QR
+    and Cholesky solve goes through qkgeom.solves.host, whose outermost calls run through round_trip."""
 
     def __init__(self) -> None:
-        self.seconds, self.depth, self.originals = 0.0, 0, {}
+        self.seconds, self.original = 0.0, S.round_trip
 
     def __enter__(self) -> SolveClock:
-        for name in SOLVERS:
-            self.originals[name] = fn = getattr(G, name)
-            setattr(G, name, self._timed(fn))
+        def timed(*args, **kwargs):
+            tic = time.perf_counter()
+            try:
+                return self.original(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - tic
+
+        S.round_trip = timed
         return self
 
     def __exit__(self, *exc) -> None:
-        for name, fn in self.originals.items():
-            setattr(G, name, fn)
-
-    def _timed(self, fn):
-        def run(*args, **kwargs):
-            self.depth += 1
-            tic = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.depth -= 1
-                if self.depth == 0:
-                    self.seconds += time.perf_counter() - tic
-
-        return run
+        S.round_trip = self.original
 
 
 def main() -> None:
@@ -105,7 +95,7 @@ def main() -> None:
             times["solves"].append(clock.seconds)
             run.model.eval()
             tic = time.perf_counter()
-            gpt_snapshot(run.model, run.probe_idx)
+            stream_gpt(run.model, run.probe_idx, lambda *layer: None)
             times["forward"].append(time.perf_counter() - tic)
             run.model.train()
             tic = time.perf_counter()

@@ -428,15 +428,6 @@ def stream_gpt(model: torch.nn.Module, idx: Tensor, on_layer: Callable[[int, Ten
         model(idx, explicit=True)
 
 
-def gpt_snapshot(model: torch.nn.Module, idx: Tensor) -> QKSnapshot:
-    """Run our GPT's explicit attention path on idx (B, T) and capture q, k, pattern per layer."""
-    qs: list[Tensor] = []
-    ks: list[Tensor] = []
-    pats: list[Tensor | None] = []
-    stream_gpt(model, idx, lambda i, q, k, pat: (qs.append(q), ks.append(k), pats.append(pat)))
-    return QKSnapshot(q=qs, k=ks, pattern=pats)
-
-
 def gpt_weights(model: torch.nn.Module) -> tuple[list[Tensor], list[Tensor]]:
     """Per-layer (H, D, E) views of W_Q and W_K of our GPT."""
     return [b.attn.heads(b.attn.W_Q) for b in model.blocks], [b.attn.heads(b.attn.W_K) for b in model.blocks]
