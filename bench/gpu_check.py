@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cadence  # noqa: E402
 from common import require_wikitext  # noqa: E402
 from paper_gpu import measuring_overrides  # noqa: E402
-from probe_split import probe_parts, seconds_per_probe  # noqa: E402
+from probe_split import decomposition_seconds, probe_parts, seconds_per_probe  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
 from qkgeom.training.loop import make_optimizer  # noqa: E402
@@ -220,6 +220,8 @@ def main() -> None:
         probe_parts(model, idx, cfg.probe.logit_max_seqs, dev)  # warm-up
         split = probe_parts(model, idx, cfg.probe.logit_max_seqs, dev)
         rows.append((f"{label}: probe split", ", ".join(f"{k} {v:.3f} s" for k, v in split.items())))
+        whole, solving = decomposition_seconds(model, idx, cfg.probe.logit_max_seqs, dev)
+        rows.append((f"{label}: decompositions on the host", f"{solving:.3f} s of a {whole:.3f} s probe"))
         for compiled in (False, True):
             if args.quick and compiled:
                 continue

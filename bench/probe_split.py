@@ -119,6 +119,35 @@ def seconds_per_probe(model, idx, cap: int, device: str, reps: int = 3) -> float
     return statistics.median(once() for _ in range(reps))
 
 
+def decomposition_seconds(model, idx, cap: int, device: str) -> tuple[float, float]:
+    """(whole probe_gpt, the part of it inside qkgeom's decompositions) of one call after a warm-up: every
+    eigen-, singular-value, QR and Cholesky solve runs through qkgeom.solves.round_trip (on a GPU: copied
+    to the host, solved by LAPACK there, copied back), timed around each outermost call."""
+    from qkgeom import config as C
+    from qkgeom import solves as S
+    from qkgeom.probing.probe import probe_gpt
+
+    real, spent = S.round_trip, [0.0]
+
+    def timed(*args, **kwargs):
+        tic = time.perf_counter()
+        try:
+            return real(*args, **kwargs)
+        finally:
+            spent[0] += time.perf_counter() - tic
+
+    probe_gpt(model, idx, C.ProbeSettings.of(cap))
+    S.round_trip = timed
+    try:
+        _sync(device)
+        t0 = time.perf_counter()
+        probe_gpt(model, idx, C.ProbeSettings.of(cap))
+        _sync(device)
+    finally:
+        S.round_trip = real
+    return time.perf_counter() - t0, spent[0]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--width", type=int, default=768)
@@ -165,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
     med = {k: statistics.median(r[k] for r in reps) for k in reps[0]}
     total = sum(med.values())
     probe = seconds_per_probe(model, idx, cap, args.device, args.reps)
+    whole, solving = decomposition_seconds(model, idx, cap, args.device)
     step = bare_step()
     print(
         f"probe at d_model {args.width}, {args.layers} layers x {args.heads} heads, context {args.ctx}, "
@@ -174,6 +204,8 @@ def main(argv: list[str] | None = None) -> None:
     for k, v in med.items():
         print(f"{k:<12}{v:>10.3f}{v / total:>8.1%}")
     print(f"{'sum':<12}{total:>10.3f}")
+    print(f"decompositions (qkgeom.solves, on the host on any device): {solving:.3f} s of one {whole:.3f} s probe "
+          f"({solving / whole:.0%})")  # fmt: skip
     print(f"probe_gpt, whole: {probe:.3f} s; one bare training step (batch {args.batch}): {step:.3f} s; "
           f"probe / step = {probe / step:.1f} (target on a GPU: <= 10)")  # fmt: skip
 

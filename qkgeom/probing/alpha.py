@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -95,6 +96,37 @@ def _fit_input(ev: np.ndarray | Tensor, ww: bool) -> np.ndarray | dict:
     return _ww_small_n(x) if ww and len(x) < WW_SMALL_N else x
 
 
+def _ks_distances(
+    logx: np.ndarray, row: np.ndarray, start: np.ndarray, n_tail: np.ndarray, alphas: np.ndarray
+) -> np.ndarray:
+    """The KS distance of each candidate (spectrum row[c], tail from start[c]) of spectra logx (M, N):
+    each candidate one row of a grid, computed in chunks of rows spread over torch's threads (NumPy
+    releases the GIL inside each operation; every value is computed by the same operations whatever
+    the chunking, so the distances are the same bit for bit)."""
+    big_n = logx.shape[1]
+    ks = np.empty(len(row))
+    j = np.arange(big_n)
+    threads = torch.get_num_threads() if len(row) * big_n >= 2**20 else 1  # below ~1M cells, one thread
+    chunk = max(1, 8_000_000 // (big_n * threads))  # grid rows at a time: ~64 MB in all for any N
+
+    def fill(a: int) -> None:
+        r, i = row[a : a + chunk], start[a : a + chunk]
+        al, nt, log_min = alphas[a : a + chunk, None], n_tail[a : a + chunk, None], logx[r, i][:, None]
+        i = i[:, None]
+        model = 1.0 - np.exp(np.minimum((1.0 - al) * (logx[r] - log_min), 0.0))  # <= 0 in the tail
+        dist = np.abs((j[None, :] - i) / nt - model)
+        ks[a : a + chunk] = np.where(j[None, :] >= i, dist, -np.inf).max(axis=1)
+
+    starts = range(0, len(row), chunk)
+    if threads > 1 and len(starts) > 1:
+        with ThreadPoolExecutor(threads, thread_name_prefix="qkgeom-alpha") as pool:
+            list(pool.map(fill, starts))
+    else:
+        for a in starts:
+            fill(a)
+    return ks
+
+
 def power_law_alphas(
     spectra: Sequence[np.ndarray | Tensor], min_tail: int = ALPHA_MIN_TAIL, convention: str = "weightwatcher"
 ) -> list[dict]:
@@ -131,16 +163,7 @@ def power_law_alphas(
         ok = total > 0
         row, start, n_tail, total = row[ok], start[ok], n_tail[ok], total[ok]
         alphas = 1.0 + n_tail / total
-        ks = np.empty(len(row))
-        j = np.arange(big_n)
-        chunk = max(1, 8_000_000 // big_n)  # grid rows at a time: memory ~64 MB for any N
-        for a in range(0, len(row), chunk):
-            r, i = row[a : a + chunk], start[a : a + chunk]
-            al, nt, log_min = alphas[a : a + chunk, None], n_tail[a : a + chunk, None], logx[r, i][:, None]
-            i = i[:, None]
-            model = 1.0 - np.exp(np.minimum((1.0 - al) * (logx[r] - log_min), 0.0))  # <= 0 in the tail
-            dist = np.abs((j[None, :] - i) / nt - model)
-            ks[a : a + chunk] = np.where(j[None, :] >= i, dist, -np.inf).max(axis=1)
+        ks = _ks_distances(logx, row, start, n_tail, alphas)
         bounds = np.searchsorted(row, np.arange(len(members) + 1))
         for m, (s, xs) in enumerate(members):
             lo, hi = bounds[m], bounds[m + 1]
