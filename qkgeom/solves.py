@@ -3,9 +3,9 @@
 On CUDA, torch solves a batch of symmetric eigenproblems larger than 32 x 32 one matrix after another
 (cuSOLVER's batched routine is used only up to n = 32; pytorch/pytorch#175585), each call with a
 launch and an error check that waits for the device; SVDs and QR likewise. One probe at GPT-2-small
-width solves about 1,700 such matrices (64 x 64 head covariances and weight Grams, 256 x 256 logit
-Grams, 768 x 768 layer covariances): issue 53 measured ~10 s a probe on an H200, where ten training
-steps take ~0.3 s. A CPU solves the same batch with LAPACK in milliseconds per matrix, split over its
+width solves 3,024 such matrices (64 x 64 head covariances and weight Grams, 256 x 256 logit Grams,
+768 x 768 layer covariances and weight Grams; bench/probe_syncs.py counts them): issue 53 measured
+~10 s a probe on an H200, where ten training steps take ~0.3 s. A CPU solves the same batch with LAPACK in milliseconds per matrix, split over its
 threads (probing.geometry.batched_eigvalsh).
 
 So every eigendecomposition, SVD, QR and Cholesky factorisation qkgeom makes runs inside `host`: its
