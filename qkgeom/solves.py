@@ -5,8 +5,8 @@ On CUDA, torch solves a batch of symmetric eigenproblems larger than 32 x 32 one
 launch and an error check that waits for the device; SVDs and QR likewise. One probe at GPT-2-small
 width solves 3,024 such matrices (64 x 64 head covariances and weight Grams, 256 x 256 logit Grams,
 768 x 768 layer covariances and weight Grams; bench/probe_syncs.py counts them): issue 53 measured
-~10 s a probe on an H200, where ten training steps take ~0.3 s. A CPU solves the same batch with LAPACK in milliseconds per matrix, split over its
-threads (probing.geometry.batched_eigvalsh).
+~10 s a probe on an H200, where ten training steps take ~0.3 s. A CPU solves the same batch with
+LAPACK in milliseconds per matrix, split over its threads (probing.geometry.batched_eigvalsh).
 
 So every eigendecomposition, SVD, QR and Cholesky factorisation qkgeom makes runs inside `host`: its
 tensor arguments are copied to the CPU once, the routine runs there (its fallbacks and finiteness

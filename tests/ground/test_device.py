@@ -43,16 +43,25 @@ def _caller() -> str | None:
     return None
 
 
-class HostGuard(TorchFunctionMode):
-    """Refuses a tensor-to-host conversion made by qkgeom code outside qkgeom.device."""
+class DoorGuard(TorchFunctionMode):
+    """Refuses a call named in `names` made by qkgeom code while `inside()` says it is not in its door."""
+
+    def __init__(self, names: set[str], inside, door: str) -> None:
+        super().__init__()
+        self.names, self.inside, self.door = names, inside, door
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in CONVERSIONS and not D.converting():
+        if name in self.names and not self.inside():
             caller = _caller()
             if caller is not None and Path(caller).resolve().is_relative_to(PACKAGE):
-                raise AssertionError(f"{name} on a tensor outside qkgeom.device.to_host, called from {caller}")
+                raise AssertionError(f"{name} outside {self.door}, called from {caller}")
         return func(*args, **(kwargs or {}))
+
+
+def HostGuard() -> DoorGuard:
+    """Refuses a tensor-to-host conversion made by qkgeom code outside qkgeom.device."""
+    return DoorGuard(CONVERSIONS, D.converting, "qkgeom.device.to_host")
 
 
 DECOMPOSITIONS = {
@@ -61,17 +70,10 @@ DECOMPOSITIONS = {
 }  # fmt: skip
 
 
-class SolveGuard(TorchFunctionMode):
+def SolveGuard() -> DoorGuard:
     """Refuses a torch.linalg decomposition made by qkgeom code outside qkgeom.solves.host (on CUDA each
     matrix of a batch over 32 x 32 is one sequential cuSOLVER call; qkgeom solves them on the host)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        name = getattr(func, "__name__", "")
-        if name in DECOMPOSITIONS and not S.solving():
-            caller = _caller()
-            if caller is not None and Path(caller).resolve().is_relative_to(PACKAGE):
-                raise AssertionError(f"{name} outside qkgeom.solves.host, called from {caller}")
-        return func(*args, **(kwargs or {}))
+    return DoorGuard(DECOMPOSITIONS, S.solving, "qkgeom.solves.host")
 
 
 @contextmanager
@@ -99,7 +101,7 @@ def test_the_guard_refuses_a_conversion_outside_the_door():
     alpha rows, before the fix), run here from a qkgeom frame, and lets the door through."""
     t = torch.arange(4, dtype=torch.float64)
     code = compile("t.numpy()", str(PACKAGE / "probing" / "probe.py"), "eval")  # a frame in qkgeom
-    with HostGuard(), pytest.raises(AssertionError, match="numpy on a tensor outside"):
+    with HostGuard(), pytest.raises(AssertionError, match="numpy outside qkgeom.device.to_host"):
         eval(code, {"t": t})
     with HostGuard():
         assert D.to_host(t).tolist() == [0.0, 1.0, 2.0, 3.0] and D.host_float(t[2]) == 2.0
