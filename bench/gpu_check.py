@@ -1,22 +1,26 @@
-"""The one prepared script for a lent GPU (issue 53): at most ~8 minutes on one H200, no network.
+"""The one prepared script for a lent GPU (issue 53): about 8 minutes on one H200 (not yet
+timed on one), no network.
 
     python bench/gpu_check.py [--nanogpt DIR] [--out docs/results/gpu/gpu_check.md]
 
 1. runs the `gpu` tests (tests/e2e/test_gpu.py: probe, train with the closed loop, the Hugging Face path,
-   the Probe callback, `qkgeom pretrained --device cuda`; each equal to the CPU within 1e-6 / 1e-5);
-2. the paper preset at the study's real cadence (bench/cadence.py: unit costs from a short run,
-   composed at 20,000 steps with a probe every 500): whole-job tokens/s and probe share;
-3. seconds per probe at the paper preset and at GPT-2-small width (12 layers, d_model 768, 12 heads,
-   context 256), against the time of 10 bare training steps at that width, and split by part
-   (bench/probe_split.py: forward, accumulate, logits, solves, weights, fits, write);
-4. the bare training step against nanoGPT's model.py at both shapes, eager and compiled, if --nanogpt
-   names a folder holding it (a snapshot of karpathy/nanoGPT; not vendored here), else "not measured";
-5. the solve door's premise: one probe's 576 logit Grams (256 x 256) solved by torch on the device
+   the Probe callback, `qkgeom pretrained --device cuda`, the solve door; each equal to the CPU within
+   1e-6 / 1e-5);
+2. the solve door's premise: one probe's 576 logit Grams (256 x 256) solved by torch on the device
    against the same batch through qkgeom.solves (on the host);
-6. many small runs on one device: K paper-preset runs at once through the local pool (K = 1, 4, 8),
-   aggregate tokens/s against one run.
+3. the paper preset at the study's real cadence (bench/cadence.py: unit costs from a short run,
+   composed at 20,000 steps with a probe every 500): whole-job tokens/s and probe share;
+4. seconds per probe at the paper preset and at GPT-2-small width (12 layers, d_model 768, 12 heads,
+   context 256), against the time of 10 bare training steps at that width, split by part
+   (bench/probe_split.py: forward, accumulate, logits, solves, weights, fits, write), and the time
+   inside decompositions;
+5. the bare training step against nanoGPT's model.py at both shapes, eager and compiled, if --nanogpt
+   names a folder holding it (a snapshot of karpathy/nanoGPT; not vendored here), else "not measured";
+6. many small runs on one device: K paper-preset runs at once through the local pool (--concurrent,
+   default K = 1, 4, 8; none: skipped), tokens/s in all against one run.
 
-Prints one markdown table (and writes it to --out). `--device cpu --quick` runs the same script at
+Prints each row as it is measured and rewrites --out after each (a run cut short keeps what it
+measured), then the whole markdown table. `--device cpu --quick` runs the same script at
 small sizes on any machine, to check it before a lease.
 """
 
@@ -175,6 +179,30 @@ def concurrent_runs(dev: str, quick: bool, counts: list[int]) -> list[tuple[str,
     return out
 
 
+class Table(list):
+    """(check, result) rows, each printed as it comes and the whole table rewritten to `out` (None: not
+    written), so a run cut short by a lease's time limit still leaves what it measured."""
+
+    def __init__(self, out: Path | None) -> None:
+        super().__init__()
+        self.out = out
+
+    def append(self, row: tuple[str, str]) -> None:
+        super().append(row)
+        print(f"| {row[0]} | {row[1]} |", flush=True)
+        if self.out is not None:
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.out.write_text(f"# bench/gpu_check.py, {time.strftime('%Y-%m-%d')}\n\n{self.markdown()}\n")
+
+    def __iadd__(self, rows):
+        for row in rows:
+            self.append(row)
+        return self
+
+    def markdown(self) -> str:
+        return "| check | result |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in self)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -188,11 +216,12 @@ def main() -> None:
     dev = args.device
     if dev.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("gpu_check.py needs a CUDA device (or --device cpu --quick to check the script)")
-    rows: list[tuple[str, str]] = []
+    rows = Table(None if args.quick else args.out)
     name = torch.cuda.get_device_name(0) if dev.startswith("cuda") else "cpu"
     rows.append(("device", f"{name}; torch {torch.__version__}"))
     if not args.quick:
         rows += [(f"gpu test: {t}", status) for status, t in gpu_tests()]
+    rows.append(("solve door: one probe's logit Grams", door_premise(dev, args.quick)))
     n_steps = 20 if args.quick else 300
     quick = ["model.n_layers=2", "train.batch_size=8"] if args.quick else []
     paper = C.load("paper", [f"train.device='{dev}'", "data.source='wikitext-2'", *quick])
@@ -235,13 +264,9 @@ def main() -> None:
             theirs = bare_step_rate(cfg, theirs_step, 5 if args.quick else 30)
             rows.append((f"{label}: bare step, {kind}",
                          f"{mine:,.0f} vs nanoGPT {theirs:,.0f} tokens/s ({mine / theirs:.2f}x)"))  # fmt: skip
-    rows.append(("solve door: one probe's logit Grams", door_premise(dev, args.quick)))
     rows += concurrent_runs(dev, args.quick, args.concurrent)
-    table = "| check | result |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in rows)
-    print(table)
+    print(f"\n{rows.markdown()}")
     if not args.quick:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(f"# bench/gpu_check.py, {time.strftime('%Y-%m-%d')}\n\n{table}\n")
         print(f"\nwrote {args.out}")
 
 
