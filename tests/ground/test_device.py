@@ -96,6 +96,23 @@ def test_the_solve_guard_refuses_a_decomposition_outside_the_door():
         assert S.host(lambda m: S.eigh(m).eigenvalues)(a).tolist() == [1.0, 3.0]  # names kept
 
 
+def test_a_round_trip_returns_every_result_to_the_device_it_was_asked_for():
+    """solves.round_trip for a non-CPU device: the routine runs on host copies and each tensor it returns
+    (alone, in a tuple with None, or in a torch.return_types value with its names) comes back on that
+    device; here the `meta` device stands in for a GPU (its tensors hold shapes, not values)."""
+    a = torch.tensor([[2.0, 1.0], [1.0, 2.0]], dtype=torch.float64)
+    meta = torch.device("meta")
+
+    def seen_on(x: torch.Tensor) -> tuple[str, None, torch.Tensor]:
+        return x.device.type, None, x.sum()
+
+    where, nothing, total = S.round_trip(seen_on, (a,), {}, meta)
+    assert (where, nothing, total.device.type) == ("cpu", None, "meta")
+    out = S.round_trip(torch.linalg.eigh, (a,), {}, meta)
+    assert out.eigenvalues.device.type == out.eigenvectors.device.type == "meta"
+    assert out.eigenvalues.shape == (2,) and out.eigenvectors.shape == (2, 2)
+
+
 def test_the_guard_refuses_a_conversion_outside_the_door():
     """The guard fails on the pattern that crashed the trainer on a GPU ((s**2).numpy() in the probe's
     alpha rows, before the fix), run here from a qkgeom frame, and lets the door through."""
