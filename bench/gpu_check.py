@@ -159,7 +159,8 @@ def concurrent_runs(dev: str, quick: bool, counts: list[int]) -> list[tuple[str,
             f"train.warmup_steps={steps // 20}", f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
             *(["model.n_layers=2", "train.batch_size=8"] if quick else [])]  # fmt: skip
     cores = os.cpu_count() or 1
-    out, one = [], None
+    out: list[tuple[str, str]] = []
+    base, against = None, "one run" if counts and counts[0] == 1 else f"{counts[0] if counts else 0} at once"
     for k in counts:
         runs = [RunSpec(f"r{k}_{i}", {}, C.load("paper", [*over, f"train.seed={i}"])) for i in range(k)]
         with tempfile.TemporaryDirectory() as tmp:
@@ -171,10 +172,11 @@ def concurrent_runs(dev: str, quick: bool, counts: list[int]) -> list[tuple[str,
         ok = sum(s["status"] == "done" for s in st)
         # each run's own clock after its start-up: the runs overlap, so their rates add up
         rate = sum(d["tokens_seen"] / d["segment_seconds"] for d in done)
-        one = one or rate
+        base = rate if base is None else base  # the first count's row is the reference
+        ratio = f"{rate / base:.2f}x {against}" if base else "no reference: no run of the first row finished"
         tokens = sum(d["tokens_seen"] for d in done)
         out.append((f"{k} paper-preset runs at once ({steps} steps each, {ok}/{k} done)",
-                    f"{rate:,.0f} tokens/s in all ({rate / one:.2f}x one run); with start-ups, "
+                    f"{rate:,.0f} tokens/s in all ({ratio}); with start-ups, "
                     f"{tokens / wall:,.0f} tokens/s over {wall:.0f} s wall"))  # fmt: skip
     return out
 

@@ -32,35 +32,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import require_wikitext  # noqa: E402
+from common import SolveClock, require_wikitext  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
-from qkgeom import solves as S  # noqa: E402
 from qkgeom.probing.probe import stream_gpt  # noqa: E402
 from qkgeom.results import RunDir  # noqa: E402
 from qkgeom.training.loop import _Run  # noqa: E402
-
-
-class SolveClock:
-    """Wall seconds spent inside qkgeom's decompositions while active: every eigen-, singular-value, QR
-    and Cholesky solve goes through qkgeom.solves.host, whose outermost calls run through round_trip."""
-
-    def __init__(self) -> None:
-        self.seconds, self.original = 0.0, S.round_trip
-
-    def __enter__(self) -> SolveClock:
-        def timed(*args, **kwargs):
-            tic = time.perf_counter()
-            try:
-                return self.original(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - tic
-
-        S.round_trip = timed
-        return self
-
-    def __exit__(self, *exc) -> None:
-        S.round_trip = self.original
 
 
 def main() -> None:

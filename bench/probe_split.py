@@ -120,32 +120,20 @@ def seconds_per_probe(model, idx, cap: int, device: str, reps: int = 3) -> float
 
 
 def decomposition_seconds(model, idx, cap: int, device: str) -> tuple[float, float]:
-    """(whole probe_gpt, the part of it inside qkgeom's decompositions) of one call after a warm-up: every
-    eigen-, singular-value, QR and Cholesky solve runs through qkgeom.solves.round_trip (on a GPU: copied
-    to the host, solved by LAPACK there, copied back), timed around each outermost call."""
+    """(whole probe_gpt, the part of it inside qkgeom's decompositions, common.SolveClock) of one call
+    after a warm-up."""
+    from common import SolveClock
+
     from qkgeom import config as C
-    from qkgeom import solves as S
     from qkgeom.probing.probe import probe_gpt
 
-    real, spent = S.round_trip, [0.0]
-
-    def timed(*args, **kwargs):
-        tic = time.perf_counter()
-        try:
-            return real(*args, **kwargs)
-        finally:
-            spent[0] += time.perf_counter() - tic
-
     probe_gpt(model, idx, C.ProbeSettings.of(cap))
-    S.round_trip = timed
-    try:
+    with SolveClock() as clock:
         _sync(device)
         t0 = time.perf_counter()
         probe_gpt(model, idx, C.ProbeSettings.of(cap))
         _sync(device)
-    finally:
-        S.round_trip = real
-    return time.perf_counter() - t0, spent[0]
+    return time.perf_counter() - t0, clock.seconds
 
 
 def main(argv: list[str] | None = None) -> None:
