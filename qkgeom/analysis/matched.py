@@ -208,8 +208,8 @@ def final_loss_rows(df: pd.DataFrame, metrics: pd.DataFrame, note: str) -> list[
     rows: list[dict] = []
     val = metrics[metrics["split"] == "valid"]
     final = val[val["step"] == val["steps"]].groupby(["intervention", "seed"])["loss"].mean()
+    wide = final.unstack("intervention")
     for arm in [*dose_arms(df), "none"]:
-        wide = final.unstack("intervention")
         if arm in wide and SHAM in wide:
             v = (wide[arm] - wide[SHAM]).dropna()
             rows.append(_row(v, f"{arm} - sham: final validation loss (nats/char)",
