@@ -1,27 +1,32 @@
 """The one prepared script for a lent GPU (issue 53): about 8 minutes on one H200 (not yet
-timed on one), no network.
+timed on one), no network. On a lease it runs through bench/gpu_lease.sh, which carries the data
+and nanoGPT's model.py to the bare machine.
 
-    python bench/gpu_check.py [--nanogpt DIR] [--out docs/results/gpu/gpu_check.md]
+    python bench/gpu_check.py [--nanogpt DIR] [--out docs/results/gpu/gpu_check.md] [--deadline S]
 
-1. runs the `gpu` tests (tests/e2e/test_gpu.py: probe, train with the closed loop, the Hugging Face path,
+In this order, what issue 53 asks first:
+
+1. the `gpu` tests (tests/e2e/test_gpu.py: probe, train with the closed loop, the Hugging Face path,
    the Probe callback, `qkgeom pretrained --device cuda`, the solve door; each equal to the CPU within
    1e-6 / 1e-5);
 2. the solve door's premise: one probe's 576 logit Grams (256 x 256) solved by torch on the device
    against the same batch through qkgeom.solves (on the host);
-3. the paper preset at the study's real cadence (bench/cadence.py: unit costs from a short run,
+3. at the paper preset and at GPT-2-small width (12 layers, d_model 768, 12 heads, context 256):
+   seconds per probe against the time of 10 bare training steps, split by part (bench/probe_split.py:
+   forward, accumulate, logits, solves, weights, fits, write), and the time inside decompositions;
+   then the eager bare step against nanoGPT's model.py, if --nanogpt names a folder holding it (a
+   snapshot of karpathy/nanoGPT; not vendored here), else "not measured";
+4. the paper preset at the study's real cadence (bench/cadence.py: unit costs from a short run,
    composed at 20,000 steps with a probe every 500): whole-job tokens/s and probe share;
-4. seconds per probe at the paper preset and at GPT-2-small width (12 layers, d_model 768, 12 heads,
-   context 256), against the time of 10 bare training steps at that width, split by part
-   (bench/probe_split.py: forward, accumulate, logits, solves, weights, fits, write), and the time
-   inside decompositions;
-5. the bare training step against nanoGPT's model.py at both shapes, eager and compiled, if --nanogpt
-   names a folder holding it (a snapshot of karpathy/nanoGPT; not vendored here), else "not measured";
+5. the compiled bare step against nanoGPT's at both shapes;
 6. many small runs on one device: K paper-preset runs at once through the local pool (--concurrent,
    default K = 1, 4, 8; none: skipped), tokens/s in all against one run.
 
 Prints each row as it is measured and rewrites --out after each (a run cut short keeps what it
-measured), then the whole markdown table. `--device cpu --quick` runs the same script at
-small sizes on any machine, to check it before a lease.
+measured), then the whole markdown table. A section that raises becomes an `error:` row (traceback in
+the log) and the rest still run; with --deadline, one that would start with less time left than it is
+guessed to need becomes a `not run:` row. `--device cpu --quick` runs the same script at small sizes
+on any machine, to check it before a lease (writing --out only if one is named).
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -205,6 +212,85 @@ class Table(list):
         return "| check | result |\n|---|---|\n" + "\n".join(f"| {a} | {b} |" for a, b in self)
 
 
+def probe_rows(label: str, cfg: C.RunConfig, dev: str, quick: bool) -> list[tuple[str, str]]:
+    """One probe at cfg's shape against 10 bare steps, its split by part, its time inside decompositions."""
+    model = GPT(cfg.model, 284).to(dev).eval()  # one model and probe batch for the whole probe and its parts
+    idx = torch.randint(0, 284, (C.probe_n_seqs(cfg), cfg.model.n_ctx), device=dev)
+    probe_s = seconds_per_probe(model, idx, cfg.probe.logit_max_seqs, dev)
+    _, step = ours(cfg, False)
+    rate = bare_step_rate(cfg, step, 5 if quick else 20)
+    ten = 10 * cfg.train.batch_size * cfg.model.n_ctx / rate
+    rows = [(f"{label}: one probe", f"{probe_s:.3f} s (10 bare steps: {ten:.3f} s; {probe_s / ten:.2f}x)")]
+    probe_parts(model, idx, cfg.probe.logit_max_seqs, dev)  # warm-up
+    split = probe_parts(model, idx, cfg.probe.logit_max_seqs, dev)
+    rows.append((f"{label}: probe split", ", ".join(f"{k} {v:.3f} s" for k, v in split.items())))
+    whole, solving = decomposition_seconds(model, idx, cfg.probe.logit_max_seqs, dev)
+    rows.append((f"{label}: decompositions on the host", f"{solving:.3f} s of a {whole:.3f} s probe"))
+    return rows
+
+
+def step_rows(label: str, cfg: C.RunConfig, compiled: bool, nanogpt_dir: Path | None, quick: bool):
+    """Our bare training step at cfg's shape, against nanoGPT's model.py's if a folder is given."""
+    kind = "compiled" if compiled else "eager"
+    steps = 5 if quick else 30
+    _, step = ours(cfg, compiled)
+    mine = bare_step_rate(cfg, step, steps)
+    if nanogpt_dir is None:
+        return [(f"{label}: bare step, {kind}", f"{mine:,.0f} tokens/s; nanoGPT not measured (--nanogpt)")]
+    _, theirs_step = nanogpt(nanogpt_dir, cfg, compiled)
+    theirs = bare_step_rate(cfg, theirs_step, steps)
+    return [(f"{label}: bare step, {kind}", f"{mine:,.0f} vs nanoGPT {theirs:,.0f} tokens/s ({mine / theirs:.2f}x)")]
+
+
+def paper_job_rows(dev: str, quick: bool) -> list[tuple[str, str]]:
+    """The paper preset's unit costs from a short run, composed at the study's own cadence."""
+    n_steps = 20 if quick else 300
+    extra = QUICK if quick else []
+    paper = C.load("paper", [f"train.device='{dev}'", "data.source='wikitext-2'", *extra])
+    with tempfile.TemporaryDirectory() as tmp:
+        u = cadence.measure(C.load("paper", [*extra, *measuring_overrides(n_steps, dev, False)]), Path(tmp) / "run")
+    job = cadence.compose(u, paper.train, paper.probe)
+    return [
+        ("paper preset: bare step", f"{u.bare_tokens_per_s:,.0f} tokens/s"),
+        (f"paper preset: whole job at its cadence ({paper.train.steps} steps, {job['n_probes']} probes)",
+         f"{job['tokens_per_s']:,.0f} tokens/s; probes {100 * job['probe_share']:.1f}%; "
+         f"{job['overhead']:.3f}x its training steps"),
+    ]  # fmt: skip
+
+
+QUICK = ["model.n_layers=2", "train.batch_size=8"]
+
+
+def sections(args: argparse.Namespace) -> list[tuple[str, float, Callable[[], list[tuple[str, str]]]]]:
+    """(what, seconds it is guessed to need on an H200, rows) in the order they run: what the issue asks
+    first, the compiles (a minute or more each) and the many-runs rows last."""
+    dev, quick = args.device, args.quick
+    shapes = {
+        "paper": C.load("paper", [f"train.device='{dev}'", *(QUICK if quick else [])]),
+        "GPT-2-small width": C.load(
+            "paper", [f"train.device='{dev}'", *(GPT2_SMALL[:1] + ["model.n_layers=2"] if quick else GPT2_SMALL)]
+        ),
+    }
+    out: list = []
+    if not quick:
+        out.append(("gpu tests", 120, lambda: [(f"gpu test: {t}", status) for status, t in gpu_tests()]))
+    out.append(("solve door: one probe's logit Grams", 15,
+                lambda: [("solve door: one probe's logit Grams", door_premise(dev, quick))]))  # fmt: skip
+    for label, cfg in shapes.items():
+        out.append((f"{label}: one probe", 30, lambda label=label, cfg=cfg: probe_rows(label, cfg, dev, quick)))
+        out.append((f"{label}: bare step, eager", 30,
+                    lambda label=label, cfg=cfg: step_rows(label, cfg, False, args.nanogpt, quick)))  # fmt: skip
+    out.append(("paper preset: whole job at its cadence", 90, lambda: paper_job_rows(dev, quick)))
+    if not quick:
+        for label, cfg in shapes.items():
+            out.append((f"{label}: bare step, compiled", 150,
+                        lambda label=label, cfg=cfg: step_rows(label, cfg, True, args.nanogpt, quick)))  # fmt: skip
+    if args.concurrent:
+        out.append((f"{', '.join(map(str, args.concurrent))} paper-preset runs at once", 150,
+                    lambda: concurrent_runs(dev, quick, args.concurrent)))  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda")
@@ -213,63 +299,36 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=REPO / "docs" / "results" / "gpu" / "gpu_check.md")
     ap.add_argument("--concurrent", type=int, nargs="*", default=[1, 4, 8],
                     help="numbers of runs at once on the device to time (none: skip; default 1 4 8)")  # fmt: skip
+    ap.add_argument("--deadline", type=float, default=float("inf"),
+                    help="seconds: a section that would start with less time left than it is guessed to need "
+                         "is not run, and says so in its row (a lease's call is cut at 600 s)")  # fmt: skip
     args = ap.parse_args()
     require_wikitext()
+    tic = time.monotonic()
     dev = args.device
     if dev.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("gpu_check.py needs a CUDA device (or --device cpu --quick to check the script)")
-    rows = Table(None if args.quick else args.out)
+    if args.nanogpt is not None and not (args.nanogpt / "model.py").is_file():
+        sys.exit(f"--nanogpt {args.nanogpt}: no model.py there")
+    rows = Table(args.out if not args.quick or args.out != ap.get_default("out") else None)
     name = torch.cuda.get_device_name(0) if dev.startswith("cuda") else "cpu"
     rows.append(("device", f"{name}; torch {torch.__version__}"))
-    if not args.quick:
-        rows += [(f"gpu test: {t}", status) for status, t in gpu_tests()]
-    rows.append(("solve door: one probe's logit Grams", door_premise(dev, args.quick)))
-    n_steps = 20 if args.quick else 300
-    quick = ["model.n_layers=2", "train.batch_size=8"] if args.quick else []
-    paper = C.load("paper", [f"train.device='{dev}'", "data.source='wikitext-2'", *quick])
-    with tempfile.TemporaryDirectory() as tmp:
-        over = [*quick, *measuring_overrides(n_steps, dev, False)]
-        u = cadence.measure(C.load("paper", over), Path(tmp) / "run")
-    job = cadence.compose(u, paper.train, paper.probe)
-    rows += [
-        ("paper preset: bare step", f"{u.bare_tokens_per_s:,.0f} tokens/s"),
-        (f"paper preset: whole job at its cadence ({paper.train.steps} steps, {job['n_probes']} probes)",
-         f"{job['tokens_per_s']:,.0f} tokens/s; probes {100 * job['probe_share']:.1f}%; "
-         f"{job['overhead']:.3f}x its training steps"),
-    ]  # fmt: skip
-    shapes = {"paper": paper, "GPT-2-small width": C.load("paper", [f"train.device='{dev}'", *GPT2_SMALL])}
-    if args.quick:
-        shapes["GPT-2-small width"] = C.load("paper", [f"train.device='{dev}'", *GPT2_SMALL[:1], "model.n_layers=2"])
-    for label, cfg in shapes.items():
-        model = GPT(cfg.model, 284).to(dev).eval()  # one model and probe batch for the whole probe and its parts
-        idx = torch.randint(0, 284, (C.probe_n_seqs(cfg), cfg.model.n_ctx), device=dev)
-        probe_s = seconds_per_probe(model, idx, cfg.probe.logit_max_seqs, dev)
-        _, step = ours(cfg, False)
-        rate = bare_step_rate(cfg, step, 5 if args.quick else 20)
-        ten = 10 * cfg.train.batch_size * cfg.model.n_ctx / rate
-        rows.append((f"{label}: one probe", f"{probe_s:.3f} s (10 bare steps: {ten:.3f} s; {probe_s / ten:.2f}x)"))
-        probe_parts(model, idx, cfg.probe.logit_max_seqs, dev)  # warm-up
-        split = probe_parts(model, idx, cfg.probe.logit_max_seqs, dev)
-        rows.append((f"{label}: probe split", ", ".join(f"{k} {v:.3f} s" for k, v in split.items())))
-        whole, solving = decomposition_seconds(model, idx, cfg.probe.logit_max_seqs, dev)
-        rows.append((f"{label}: decompositions on the host", f"{solving:.3f} s of a {whole:.3f} s probe"))
-        for compiled in (False, True):
-            if args.quick and compiled:
-                continue
-            kind = "compiled" if compiled else "eager"
-            _, step = ours(cfg, compiled)
-            mine = bare_step_rate(cfg, step, 5 if args.quick else 30)
-            if args.nanogpt is None:
-                rows.append((f"{label}: bare step, {kind}", f"{mine:,.0f} tokens/s; nanoGPT not measured (--nanogpt)"))
-                continue
-            _, theirs_step = nanogpt(args.nanogpt, cfg, compiled)
-            theirs = bare_step_rate(cfg, theirs_step, 5 if args.quick else 30)
-            rows.append((f"{label}: bare step, {kind}",
-                         f"{mine:,.0f} vs nanoGPT {theirs:,.0f} tokens/s ({mine / theirs:.2f}x)"))  # fmt: skip
-    rows += concurrent_runs(dev, args.quick, args.concurrent)
+    for what, need, run in sections(args):
+        left = args.deadline - (time.monotonic() - tic)
+        if left < need:
+            rows.append((what, f"not run: {left:.0f} s left of the {args.deadline:.0f} s deadline, it needs ~{need} s"))
+            continue
+        try:
+            rows += run()
+        except Exception as e:  # one broken section must not cost the lease the rows after it
+            traceback.print_exc()
+            rows.append((what, f"error: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]))
+        if dev.startswith("cuda"):
+            torch.cuda.empty_cache()
+    rows.append(("gpu_check.py wall time", f"{time.monotonic() - tic:.0f} s"))
     print(f"\n{rows.markdown()}")
-    if not args.quick:
-        print(f"\nwrote {args.out}")
+    if rows.out is not None:
+        print(f"\nwrote {rows.out}")
 
 
 if __name__ == "__main__":
