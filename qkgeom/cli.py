@@ -75,7 +75,10 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", help="a sweep TOML file or a study preset (listed below under `study --help`)")
     _add_set_arg(p, "override a config field in every run, e.g. --set train.steps=50 (repeatable)")
     _add_output_args(p, "RUNS/<sweep name>")
-    workers = "parallel runs (default: one per CPU core; each gets cores/workers torch threads)"
+    workers = (
+        "parallel runs (default: one per CPU core; each gets cores/workers torch threads; runs on plain `cuda` "
+        "are spread over the visible GPUs, one per worker, round robin)"
+    )
     p.add_argument("--workers", type=int, default=0, help=workers)
     _add_executor_args(p, "local process pool (default) or a Ray cluster (pip install qkgeom[ray])")
     p.add_argument("--gpus-per-run", type=float, default=0.0, help="with --executor ray: GPUs each run asks for")

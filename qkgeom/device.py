@@ -63,6 +63,19 @@ def as_float(v: float | torch.Tensor) -> float:
     return host_float(v) if isinstance(v, torch.Tensor) else float(v)
 
 
+def visible_gpus() -> list[str]:
+    """The ids of the CUDA GPUs this process may use, as CUDA_VISIBLE_DEVICES names them (else 0 .. N-1);
+    [] without CUDA. What a local pool spreads its workers over (qkgeom.executor)."""
+    import os
+
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [d.strip() for d in named.split(",")] if named is not None else [str(i) for i in range(n)]
+    return ids[:n]  # CUDA stops at the first id it cannot use; device_count() counts what it took
+
+
 def available() -> list[str]:
     """The devices this machine has: cpu, cuda:0 ... cuda:N-1, mps."""
     import torch

@@ -7,11 +7,13 @@ cheap and exact (done.json / checkpoints), which is what makes the retry below s
 
 - `local`, workers = 1: in this process, one job after another.
 - `local`, workers > 1: a spawn pool (a clean interpreter per worker: fork after torch has started
-  threads can deadlock). Workers ignore Ctrl-C (the parent handles it) and die with their parent
-  (Linux PDEATHSIG), so a killed sweep leaves no orphans; Ctrl-C or SIGTERM stops them at once. A
-  worker that dies (OOM killer, kill -9) breaks the pool: the jobs that had started are retried
-  once in a fresh pool, queued ones are resubmitted without charge; a started job lost twice comes
-  back as `JobLost`.
+  threads can deadlock). Given `devices` (GPU ids), worker i sees only devices[i % len(devices)]
+  (CUDA_VISIBLE_DEVICES, set before its torch starts CUDA): its `cuda` is that GPU, so 8 workers on
+  an 8-GPU machine train one run per GPU, and 8 workers over one GPU share it. Workers ignore
+  Ctrl-C (the parent handles it) and die with their parent (Linux PDEATHSIG), so a killed sweep
+  leaves no orphans; Ctrl-C or SIGTERM stops them at once. A worker that dies (OOM killer, kill -9)
+  breaks the pool: the jobs that had started are retried once in a fresh pool, queued ones are
+  resubmitted without charge; a started job lost twice comes back as `JobLost`.
 - `ray` (optional extra, pip install 'qkgeom[ray]'): each job a Ray task with `threads` CPUs and
   `gpus` GPUs, on a running cluster (`address`) or a local instance.
 """
@@ -52,8 +54,10 @@ def run_jobs(
     threads: int = 1,
     address: str | None = None,
     gpus: float = 0.0,
+    devices: list[str] | None = None,
 ) -> Iterator[tuple[str, Any]]:
-    """Yield (job key, fn(*job.args) or a JobLost) as jobs finish."""
+    """Yield (job key, fn(*job.args) or a JobLost) as jobs finish. `devices`: the GPU ids the local
+    pool's workers are spread over (None: each worker sees what this process sees)."""
     if executor not in EXECUTORS:
         raise ValueError(f"unknown executor {executor!r} ({', '.join(EXECUTORS)})")
     if not jobs:
@@ -64,10 +68,12 @@ def run_jobs(
         for job in jobs:
             yield job.key, fn(*job.args)
     else:
-        yield from _run_pool(fn, jobs, workers)
+        yield from _run_pool(fn, jobs, workers, devices)
 
 
-def _worker_init() -> None:
+def _worker_init(slots: Any = None) -> None:
+    if slots is not None:  # before anything in this worker starts CUDA
+        os.environ["CUDA_VISIBLE_DEVICES"] = slots.get()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker interrupted in start-up would be poisoned
     # tqdm makes a multiprocessing lock (a named semaphore) on first use, even disabled; a worker
     # ended by terminate() cannot unlink it, and the resource tracker then warns of a leak at exit
@@ -111,7 +117,20 @@ def _started(fn: Callable[..., Any], marker: str, *args: Any) -> Any:
     return fn(*args)
 
 
-def _run_pool(fn: Callable[..., Any], jobs: list[Job], workers: int) -> Iterator[tuple[str, Any]]:
+def _new_pool(workers: int, devices: list[str] | None) -> ProcessPoolExecutor:
+    """A spawn pool; with `devices`, one GPU id per worker, handed out as each worker starts."""
+    ctx = get_context("spawn")
+    slots = None
+    if devices:
+        slots = ctx.Queue()
+        for i in range(workers):
+            slots.put(devices[i % len(devices)])
+    return ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init, initargs=(slots,))
+
+
+def _run_pool(
+    fn: Callable[..., Any], jobs: list[Job], workers: int, devices: list[str] | None = None
+) -> Iterator[tuple[str, Any]]:
     # When one worker dies the whole pool breaks and every pending job fails with it, most of them
     # still queued. Only a job that had started (its marker exists) is charged an attempt; a queued
     # one is resubmitted for free, so two unrelated deaths never fail jobs that never ran.
@@ -127,7 +146,7 @@ def _run_pool(fn: Callable[..., Any], jobs: list[Job], workers: int) -> Iterator
     try:
         while queue:
             lost: list[Job] = []
-            pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"), initializer=_worker_init)
+            pool = _new_pool(workers, devices)
             try:
                 futures = {pool.submit(_started, fn, marker[job.key], *job.args): job for job in queue}
                 for f in as_completed(futures):

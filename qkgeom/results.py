@@ -235,6 +235,7 @@ def provenance() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"),  # which GPU a pool worker was given
     }
 
 

@@ -36,6 +36,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from qkgeom import config as C
+from qkgeom import device as D
 from qkgeom.errors import QKGeomError, read_text
 from qkgeom.executor import Job, JobLost, run_jobs
 from qkgeom.results import SWEEP_MANIFEST, RunDir, folder_lock, write_json
@@ -385,6 +386,15 @@ def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_r
     return result
 
 
+def gpu_slots(todo: list[RunSpec], executor: str, workers: int) -> list[str] | None:
+    """The GPUs a local pool spreads its workers over: every visible one, when more than one worker
+    trains runs that all ask for plain `cuda` (a run that names `cuda:N` is placed by its config, and
+    the pool leaves every worker's view alone)."""
+    if executor != "local" or workers < 2 or not todo or any(r.config.train.device != "cuda" for r in todo):
+        return None
+    return D.visible_gpus() or None
+
+
 def execute(
     todo: list[RunSpec],
     out: Path,
@@ -401,7 +411,8 @@ def execute(
     out = Path(out).resolve()  # Ray tasks may run elsewhere on the shared storage
     jobs = [Job(r.run_id, (C.to_dict(r.config), str(out / r.run_id), threads)) for r in todo]
     statuses = []
-    for run_id, status in run_jobs(run_one, jobs, executor, workers, threads, address, gpus_per_run):
+    devices = gpu_slots(todo, executor, workers)
+    for run_id, status in run_jobs(run_one, jobs, executor, workers, threads, address, gpus_per_run, devices):
         if isinstance(status, JobLost):
             RunDir(out / run_id).write_error(str(status))
             status = {"run_id": run_id, "status": "failed", "error": str(status), "seconds": 0.0}
