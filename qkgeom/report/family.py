@@ -35,7 +35,8 @@ def write_family_report(path: str | Path) -> Path:
     path = Path(path)
     geometry = load_family(path)[0]
     revs = pd.read_csv(path / REVISIONS_CSV, keep_default_na=False, na_values=[""])
-    revs["flag"] = revs["flag"].fillna("")
+    # an all-empty column reads as float64 NaN: filling it with "" is refused by pandas 3's casting rules
+    revs["flag"] = revs["flag"].astype(object).where(revs["flag"].notna(), "")
     trends, facts = pd.read_csv(path / TRENDS_CSV), read_json(path / FAMILY_FACTS)
     left_out, early_max_step = facts["left_out"], facts["early_max_step"]
     for why in left_out:
