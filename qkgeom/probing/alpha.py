@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
 from qkgeom.config import ALPHA_CONVENTIONS
+from qkgeom.probing.geometry import thread_map
 
 Tensor = torch.Tensor
 
@@ -119,8 +119,7 @@ def _ks_distances(
 
     starts = range(0, len(row), chunk)
     if threads > 1 and len(starts) > 1:
-        with ThreadPoolExecutor(threads, thread_name_prefix="qkgeom-alpha") as pool:
-            list(pool.map(fill, starts))
+        thread_map(fill, starts)
     else:
         for a in starts:
             fill(a)

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
+from typing import TypeVar
 
 import torch
 
@@ -33,6 +34,7 @@ class NumericalWarning(UserWarning):
     """A solve fell back to a slower route, or gave NaN; the message names the solve."""
 
 
+T, R = TypeVar("T"), TypeVar("R")
 _POOL: ThreadPoolExecutor | None = None
 _POOL_SIZE = 0
 
@@ -52,6 +54,16 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(k)
 
 
+def thread_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """[fn(x) for x in items], spread over one persistent pool of torch.get_num_threads() threads: for
+    work that releases the GIL (LAPACK, NumPy). Called from the main thread, never from inside it."""
+    global _POOL, _POOL_SIZE
+    k = torch.get_num_threads()
+    if _POOL is None or _POOL_SIZE != k:  # our own record of its size: no private attribute needed
+        _POOL, _POOL_SIZE = ThreadPoolExecutor(k, thread_name_prefix="qkgeom-pool"), k
+    return list(_POOL.map(fn, items))
+
+
 def batched_eigvalsh(mat: Tensor) -> Tensor:
     """torch.linalg.eigvalsh of a batch (..., n, n), the batch split over torch's CPU threads.
 
@@ -65,11 +77,8 @@ def batched_eigvalsh(mat: Tensor) -> Tensor:
     n = mat.shape[-1]
     if k < 2 or flat.shape[0] < 2 * k or flat.shape[0] * n**3 < 2**24 or mat.device.type != "cpu":  # ~5 ms
         return torch.linalg.eigvalsh(mat)
-    global _POOL, _POOL_SIZE
-    if _POOL is None or _POOL_SIZE != k:  # our own record of its size: no private attribute needed
-        _POOL, _POOL_SIZE = ThreadPoolExecutor(k, thread_name_prefix="qkgeom-eigvalsh"), k
     with one_thread():  # one LAPACK thread per chunk: k chunks side by side
-        parts = list(_POOL.map(torch.linalg.eigvalsh, flat.chunk(k)))
+        parts = thread_map(torch.linalg.eigvalsh, flat.chunk(k))
     return torch.cat(parts).reshape(mat.shape[:-1])
 
 

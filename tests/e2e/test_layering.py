@@ -20,7 +20,8 @@ ORDER = [
     ["config"],
     ["results", "executor"],
     # probing: q, k, pattern -> rows
-    ["probing", "probing.geometry", "probing.alpha", "probing.hooks", "probing.archs"],
+    ["probing", "probing.geometry", "probing.hooks", "probing.archs"],
+    ["probing.alpha"],
     ["probing.weights"],
     ["probing.probe"],
     ["probing.hf", "probing.scalars"],
