@@ -119,7 +119,7 @@ def _ks_distances(
 
     starts = range(0, len(row), chunk)
     if threads > 1 and len(starts) > 1:
-        thread_map(fill, starts)
+        thread_map(fill, starts, threads)
     else:
         for a in starts:
             fill(a)

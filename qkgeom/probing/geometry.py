@@ -54,11 +54,10 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(k)
 
 
-def thread_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """[fn(x) for x in items], spread over one persistent pool of torch.get_num_threads() threads: for
-    work that releases the GIL (LAPACK, NumPy). Called from the main thread, never from inside it."""
+def thread_map(fn: Callable[[T], R], items: Iterable[T], k: int) -> list[R]:
+    """[fn(x) for x in items] over one persistent pool of `k` threads (made again only when k changes):
+    for work that releases the GIL (LAPACK, NumPy). Called from the main thread, never from the pool."""
     global _POOL, _POOL_SIZE
-    k = torch.get_num_threads()
     if _POOL is None or _POOL_SIZE != k:  # our own record of its size: no private attribute needed
         _POOL, _POOL_SIZE = ThreadPoolExecutor(k, thread_name_prefix="qkgeom-pool"), k
     return list(_POOL.map(fn, items))
@@ -78,7 +77,7 @@ def batched_eigvalsh(mat: Tensor) -> Tensor:
     if k < 2 or flat.shape[0] < 2 * k or flat.shape[0] * n**3 < 2**24 or mat.device.type != "cpu":  # ~5 ms
         return torch.linalg.eigvalsh(mat)
     with one_thread():  # one LAPACK thread per chunk: k chunks side by side
-        parts = thread_map(torch.linalg.eigvalsh, flat.chunk(k))
+        parts = thread_map(torch.linalg.eigvalsh, flat.chunk(k), k)
     return torch.cat(parts).reshape(mat.shape[:-1])
 
 

@@ -231,6 +231,35 @@ def test_batched_eigvalsh_split_over_threads_gives_the_same_values():
     assert torch.allclose(one, torch.linalg.eigvalsh(mats), rtol=1e-12, atol=1e-12)
 
 
+def test_batched_eigvalsh_and_alpha_fits_run_their_chunks_side_by_side(monkeypatch):
+    """With 3 torch threads, 3 chunks are solved at once: each waits at a barrier of 3 before solving,
+    which only a pool of 3 threads passes (one that ran them one after another would time out)."""
+    import threading
+
+    solve = torch.linalg.eigvalsh
+    barrier = threading.Barrier(3, timeout=20)
+
+    def waiting(m):
+        barrier.wait()
+        return solve(m)
+
+    x = torch.randn(12, 130, 130, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mats = x @ x.transpose(-1, -2)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        monkeypatch.setattr(torch.linalg, "eigvalsh", waiting)
+        out = G.batched_eigvalsh(mats)
+        monkeypatch.undo()
+        seen = G.thread_map(lambda _: barrier.wait(), range(3), 3)  # the pool alpha's KS grid uses
+        torch.set_num_threads(1)
+        alone = solve(mats)  # one LAPACK thread, as each chunk is solved
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(out, alone)
+    assert sorted(seen) == [0, 1, 2]  # Barrier.wait returns each waiter's distinct index
+
+
 def test_solve_together_fills_the_same_eigenvalues_as_one_by_one():
     g = torch.Generator().manual_seed(1)
     accs = [G.CovarianceAccumulator() for _ in range(5)]
