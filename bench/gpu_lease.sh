@@ -7,14 +7,34 @@
 #
 #   here, before the lease:  bash bench/gpu_lease.sh kit NANOGPT_DIR     # NANOGPT_DIR holds model.py
 #                            bash bench/gpu_lease.sh run --device cpu --quick   # the same path, checked here
+#                            bash bench/gpu_lease.sh lighten      # docs/results out of the call (below)
 #   the device call:         command "bash bench/gpu_lease.sh run", carry [".lease"], timeout_s 600
+#   at once after it:        bash bench/gpu_lease.sh restore      # docs/results tracked again
+#
+# A call sends at most 64 MiB: tracked files, untracked ones git does not ignore, the carried kit.
+# docs/results (every committed study's records) is ~62 MiB of the tracked files and gpu_check needs
+# none of it, so `lighten` untracks it in the index only (`git rm --cached`) and ignores it in
+# .git/info/exclude; the files on disk are untouched. `restore` undoes both: run it before any commit.
 #
 # `run` prints the machine, then runs gpu_check.py with a deadline inside the call's limit; its table
 # and log land in $OUT (they come back with the call) and the table is rewritten after every row, so a
-# run cut short keeps what it measured. Commit $OUT/gpu_check.md as docs/results/gpu/gpu_check.md.
+# run cut short keeps what it measured. Commit $OUT/gpu_check.md as docs/results/gpu/gpu_check.md. A
+# second call made at once finds the machine still warm (30 s) and costs no new start: rerun a section
+# that failed, or `python3 bench/paper_gpu.py` with the same exports, if minutes are left.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=.lease
+NOTE="# gpu_lease.sh lighten: 'restore' removes this line and the next"
+MARK="/docs/results/"
+
+travel() {  # what a call would send: tracked files, untracked ones git does not ignore, and the kit
+    local bytes
+    bytes=$( { git ls-files -z; git ls-files -o --exclude-standard -z; } | xargs -0 du -cb 2>/dev/null |
+             awk '$2 == "total" {s += $1} END {print s + 0}')  # xargs may split: one total per batch
+    bytes=$(( bytes + $(du -sb "$KIT" | cut -f1) ))
+    echo "a call sends $(( bytes / 1048576 )) MiB of the 64 MiB allowed"
+    (( bytes < 64 * 1048576 )) || { echo "over 64 MiB: the call would be refused ('lighten' first)" >&2; return 2; }
+}
 
 case "${1:-}" in
 kit)
@@ -27,7 +47,26 @@ kit)
     cp "$src"/{train,valid,test}.txt "$KIT.tmp/wikitext/wikitext-2/"
     cp "$nano/model.py" "$KIT.tmp/nanogpt/"
     rm -rf "$KIT" && mv "$KIT.tmp" "$KIT"  # whole or not at all
-    du -sh "$KIT"
+    echo "kit: $(du -sh "$KIT" | cut -f1) in $KIT/"
+    travel || true  # says whether 'lighten' is needed
+    ;;
+lighten)
+    [[ -d "$KIT" ]] || { echo "no $KIT/: run 'bash bench/gpu_lease.sh kit NANOGPT_DIR' first" >&2; exit 2; }
+    git diff --cached --quiet || { echo "the index holds staged changes: commit or unstage them first" >&2; exit 2; }
+    grep -qxF "$NOTE" .git/info/exclude 2>/dev/null || printf '%s\n%s\n' "$NOTE" "$MARK" >>.git/info/exclude
+    git rm -r -q --cached -- docs/results
+    echo "docs/results untracked in the index and ignored (files on disk untouched); 'restore' undoes it"
+    travel
+    ;;
+restore)
+    git reset -q -- docs/results
+    if [[ -f .git/info/exclude ]]; then  # the two lines lighten wrote, and nothing else
+        awk -v note="$NOTE" -v mark="$MARK" '$0 == note {skip = 1; next} skip && $0 == mark {skip = 0; next}
+                                             {skip = 0; print}' .git/info/exclude >.git/info/exclude.tmp
+        mv .git/info/exclude.tmp .git/info/exclude
+    fi
+    git diff --cached --quiet && echo "docs/results tracked again; the index is as HEAD has it" ||
+        { echo "the index still differs from HEAD: look at 'git status'" >&2; exit 2; }
     ;;
 run)
     shift
@@ -48,7 +87,7 @@ run)
         2>&1 | tee "$out/gpu_check.log"
     ;;
 *)
-    sed -n '2,14p' "$0" >&2
+    sed -n '2,23p' "$0" >&2
     exit 2
     ;;
 esac
