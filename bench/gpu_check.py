@@ -19,7 +19,9 @@ In this order, what issue 53 asks first:
 4. the paper preset at the study's real cadence (bench/cadence.py: unit costs from a short run,
    composed at 20,000 steps with a probe every 500): whole-job tokens/s and probe share;
 5. the compiled bare step against nanoGPT's at both shapes;
-6. many small runs on one device: K paper-preset runs at once through the local pool (--concurrent,
+6. 8 seeds of the paper preset stacked in one process (vmap; bench/stacked_seeds.py) against the same 8
+   stepped one after another;
+7. many small runs on one device: K paper-preset runs at once through the local pool (--concurrent,
    default K = 1, 4, 8; none: skipped), tokens/s in all against one run.
 
 Prints each row as it is measured and rewrites --out after each (a run cut short keeps what it
@@ -261,6 +263,20 @@ def paper_job_rows(dev: str, quick: bool) -> list[tuple[str, str]]:
 QUICK = ["model.n_layers=2", "train.batch_size=8"]
 
 
+def stacked_rows(dev: str, quick: bool) -> list[tuple[str, str]]:
+    """8 seeds of the paper preset stacked with vmap against the same 8 stepped one after another
+    (bench/stacked_seeds.py): the other way to fill a GPU with small runs than processes at once."""
+    from stacked_seeds import compare
+
+    n = 2 if quick else 8
+    r = compare(C.load("paper", [f"train.device='{dev}'", *(QUICK if quick else [])]), n, 3 if quick else 10, 1)
+    slow = ", ".join(f.split("for ")[-1] for f in r.fallbacks)  # torch: "... batching rule for aten::op"
+    note = f"; vmap runs one seed at a time in: {slow}" if slow else ""
+    return [(f"{n} paper-preset seeds stacked (vmap) vs one after another",
+             f"{r.stacked:,.0f} vs {r.separate:,.0f} tokens/s in all ({r.stacked / r.separate:.2f}x); "
+             f"losses within {r.loss_gap:.1e}{note}")]  # fmt: skip
+
+
 def sections(args: argparse.Namespace) -> list[tuple[str, float, Callable[[], list[tuple[str, str]]]]]:
     """(what, seconds it is guessed to need on an H200, rows) in the order they run: what the issue asks
     first, the compiles (a minute or more each) and the many-runs rows last."""
@@ -285,6 +301,7 @@ def sections(args: argparse.Namespace) -> list[tuple[str, float, Callable[[], li
         for label, cfg in shapes.items():
             out.append((f"{label}: bare step, compiled", 150,
                         lambda label=label, cfg=cfg: step_rows(label, cfg, True, args.nanogpt, quick)))  # fmt: skip
+    out.append(("8 paper-preset seeds stacked in one process", 90, lambda: stacked_rows(dev, quick)))
     if args.concurrent:
         out.append((f"{', '.join(map(str, args.concurrent))} paper-preset runs at once", 150,
                     lambda: concurrent_runs(dev, quick, args.concurrent)))  # fmt: skip
