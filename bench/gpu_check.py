@@ -19,15 +19,16 @@ In this order, what issue 53 asks first:
 4. the paper preset at the study's real cadence (bench/cadence.py: unit costs from a short run,
    composed at 20,000 steps with a probe every 500): whole-job tokens/s and probe share;
 5. the compiled bare step against nanoGPT's at both shapes;
-6. 8 seeds of the paper preset stacked in one process (vmap; bench/stacked_seeds.py) against the same 8
-   stepped one after another;
-7. many small runs on one device: K paper-preset runs at once through the local pool (--concurrent,
-   default K = 1, 4, 8; none: skipped), tokens/s in all against one run.
+6. many small runs on one device: K paper-preset runs at once through the local pool (--concurrent,
+   default K = 1, 4, 8; none: skipped), tokens/s in all against one run;
+7. 8 seeds of the paper preset stacked in one process (vmap; bench/stacked_seeds.py) against the same 8
+   stepped one after another.
 
 Prints each row as it is measured and rewrites --out after each (a run cut short keeps what it
 measured), then the whole markdown table. A section that raises becomes an `error:` row (traceback in
 the log) and the rest still run; with --deadline, one that would start with less time left than it is
-guessed to need becomes a `not run:` row. `--device cpu --quick` runs the same script at small sizes
+guessed to need becomes a `not run:` row; `--only WORDS` runs the sections named so (a second call on
+a still-warm lease). `--device cpu --quick` runs the same script at small sizes
 on any machine, to check it before a lease (writing --out only if one is named).
 """
 
@@ -301,11 +302,11 @@ def sections(args: argparse.Namespace) -> list[tuple[str, float, Callable[[], li
         for label, cfg in shapes.items():
             out.append((f"{label}: bare step, compiled", 150,
                         lambda label=label, cfg=cfg: step_rows(label, cfg, True, args.nanogpt, quick)))  # fmt: skip
-    out.append(("8 paper-preset seeds stacked in one process", 90, lambda: stacked_rows(dev, quick)))
     if args.concurrent:
         out.append((f"{', '.join(map(str, args.concurrent))} paper-preset runs at once", 150,
                     lambda: concurrent_runs(dev, quick, args.concurrent)))  # fmt: skip
-    return out
+    out.append(("8 paper-preset seeds stacked in one process", 90, lambda: stacked_rows(dev, quick)))
+    return [s for s in out if not args.only or any(w in s[0] for w in args.only)]
 
 
 def main() -> None:
@@ -319,6 +320,9 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=float("inf"),
                     help="seconds: a section that would start with less time left than it is guessed to need "
                          "is not run, and says so in its row (a lease's call is cut at 600 s)")  # fmt: skip
+    ap.add_argument("--only", nargs="+", metavar="WORDS",
+                    help="run only the sections whose name holds one of these (e.g. compiled stacked): a second "
+                         "call on a still-warm lease finishing what the first left")  # fmt: skip
     args = ap.parse_args()
     require_wikitext()
     tic = time.monotonic()

@@ -19,8 +19,9 @@
 # `run` prints the machine, then runs gpu_check.py with a deadline inside the call's limit; its table
 # and log land in $OUT (they come back with the call) and the table is rewritten after every row, so a
 # run cut short keeps what it measured. Commit $OUT/gpu_check.md as docs/results/gpu/gpu_check.md. A
-# second call made at once finds the machine still warm (30 s) and costs no new start: rerun a section
-# that failed, or `python3 bench/paper_gpu.py` with the same exports, if minutes are left.
+# second call made at once finds the machine still warm (30 s) and costs no new start: with the minutes
+# left, `DEADLINE=S bash bench/gpu_lease.sh run --only WORDS` runs the sections the first left `not run`
+# (their rows then come back in a table of their own).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 KIT=.lease
@@ -87,7 +88,7 @@ run)
         2>&1 | tee "$out/gpu_check.log"
     ;;
 *)
-    sed -n '2,23p' "$0" >&2
+    sed -n '2,24p' "$0" >&2
     exit 2
     ;;
 esac
