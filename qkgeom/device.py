@@ -14,6 +14,8 @@ what it has.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from typing import TYPE_CHECKING
 
@@ -61,6 +63,41 @@ def as_float(v: float | torch.Tensor) -> float:
     import torch
 
     return host_float(v) if isinstance(v, torch.Tensor) else float(v)
+
+
+@contextmanager
+def exact_float32() -> Iterator[None]:
+    """Inside: float32 matmuls in full float32 and no autocast; after: the caller's settings, as they were.
+
+    Training may allow reduced precision for float32 products: TF32 on a GPU (qkgeom's trainer on cuda
+    and nanoGPT set it; ~1e-3 relative), bf16 on a CPU with bf16 arithmetic (`"medium"`), or an autocast
+    region around the loop. A measurement must not inherit it: every probe, pretrained analysis and
+    callback measures inside this block (also as a decorator), so geometry on cuda is the CPU's.
+    torch has two APIs for the setting (since 2.9, per backend) and refuses to read the global one
+    when the two were mixed: it is changed and restored through the one the caller's state speaks."""
+    import torch
+
+    try:
+        before: str | dict[str, str] = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")  # sets every backend's flag as well
+    except RuntimeError:  # set per backend (torch >= 2.9): speak that API
+        before = {b: getattr(torch.backends, b).matmul.fp32_precision for b in _FP32_BACKENDS}
+        for b in before:
+            getattr(torch.backends, b).matmul.fp32_precision = "ieee"
+    try:
+        with ExitStack() as stack:
+            for dev in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+                stack.enter_context(torch.autocast(dev, enabled=False))
+            yield
+    finally:
+        if isinstance(before, str):
+            torch.set_float32_matmul_precision(before)
+        else:
+            for b, value in before.items():
+                getattr(torch.backends, b).matmul.fp32_precision = value
+
+
+_FP32_BACKENDS = ("cuda", "mkldnn")  # the backends whose float32 matmuls may be reduced (TF32, bf16)
 
 
 def visible_gpus() -> list[str]:

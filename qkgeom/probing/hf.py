@@ -279,6 +279,7 @@ def token_batches(
 
 
 @torch.no_grad()
+@D.exact_float32()
 def analyse_model(
     model: nn.Module,
     batches: Iterator[Tensor],

@@ -128,6 +128,7 @@ class GeometryAccumulator:
         self.logit_spectrum = logit_spectrum
         self.site = site
 
+    @D.exact_float32()
     def update(self, snap: QKSnapshot) -> None:
         """Add one batch of every layer (the logit spectra of all layers solved together)."""
         mask = snap.token_mask
@@ -139,6 +140,7 @@ class GeometryAccumulator:
         self._update_logits(list(range(len(snap.q))), snap.q, snap.k, snap.causal, mask, [1.0] * len(snap.q))
         self.site = snap.site
 
+    @D.exact_float32()
     def update_layer(
         self,
         layer: int,
@@ -384,6 +386,7 @@ def measure(
     return pd.DataFrame(activation_geometry(q, k, pattern, causal, w_q, w_k, settings)[0])
 
 
+@D.exact_float32()
 def activation_geometry(
     q: list[Tensor] | Tensor,
     k: list[Tensor] | Tensor,
@@ -438,6 +441,7 @@ def gpt_value_output(model: torch.nn.Module) -> tuple[list[Tensor], list[Tensor]
     return [b.attn.heads(b.attn.W_V) for b in model.blocks], [b.attn.heads(b.attn.W_O.T) for b in model.blocks]
 
 
+@D.exact_float32()
 def probe_gpt(
     model: torch.nn.Module,
     idx: Tensor,

@@ -320,6 +320,7 @@ class Probe:
         print(f"qkgeom.Probe: tracker {name} failed ({why}); dropped, training goes on", file=sys.stderr)
 
     @torch.no_grad()
+    @D.exact_float32()
     def measure(self) -> tuple[list[dict], dict]:
         """The geometry rows and spectra of the model now, on the probe batch (nothing written).
         The model's training mode, and a Hugging Face model's attention implementation, are restored."""

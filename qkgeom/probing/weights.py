@@ -52,6 +52,7 @@ def _fill_alphas(pending: list[tuple[dict, np.ndarray]], convention: str) -> Non
         row["value"], row["note"] = fit["alpha"], AL.alpha_note(convention, fit["reason"])
 
 
+@D.exact_float32()
 def weight_geometry(
     w_q: list[Tensor],
     w_k: list[Tensor],

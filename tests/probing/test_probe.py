@@ -343,3 +343,62 @@ def test_logit_spectra_of_all_layers_solved_together_equal_one_layer_at_a_time()
         for h in range(H):
             assert a[(li, h, "logit_participation_ratio")] == pytest.approx(float(pr[:, h].mean()), rel=1e-5)
             assert a[(li, h, "logit_spectral_norm")] == pytest.approx(float(sv[:, h, 0].mean()), rel=1e-5)
+
+
+def _gpt_and_batch():
+    from qkgeom.training.model import GPT
+
+    cfg = C.load("tiny", ["model.d_model=64", "model.n_heads=4"])
+    model = GPT(cfg.model, 50, seed=0).eval()
+    return model, torch.randint(0, 50, (8, cfg.model.n_ctx), generator=torch.Generator().manual_seed(0))
+
+
+def _reduced_fp32_matmul_here() -> bool:
+    """Whether float32 matmul precision "medium" changes a product on this CPU (bf16 arithmetic, as on
+    AMX or AVX-512 BF16 CPUs): the CPU's counterpart of the TF32 a GPU trainer allows."""
+    x, w = torch.randn(64, 256), torch.randn(256, 256)
+    exact = x @ w
+    torch.set_float32_matmul_precision("medium")
+    try:
+        return not torch.equal(x @ w, exact)
+    finally:
+        torch.set_float32_matmul_precision("highest")
+
+
+@pytest.mark.parametrize("api", ["legacy", "per-backend"])
+def test_the_probe_measures_in_full_float32_whatever_the_training_allows(api):
+    """A trainer may allow reduced-precision float32 matmuls (TF32 on a GPU, as qkgeom's trainer and
+    nanoGPT do; bf16 on a CPU with bf16 arithmetic): the probe's rows are those of full float32, bit for
+    bit, and the setting comes back after, through whichever of torch's two APIs set it."""
+    if not _reduced_fp32_matmul_here():
+        pytest.skip("float32 matmul precision has no reduced mode on this CPU (no bf16 arithmetic)")
+    from qkgeom.probing.probe import probe_gpt
+
+    model, idx = _gpt_and_batch()
+    exact, _ = probe_gpt(model, idx)
+    try:
+        if api == "legacy":
+            torch.set_float32_matmul_precision("medium")
+        else:
+            torch.backends.mkldnn.matmul.fp32_precision = "bf16"
+        reduced, _ = probe_gpt(model, idx)
+        if api == "legacy":
+            assert torch.get_float32_matmul_precision() == "medium"
+        else:
+            assert torch.backends.mkldnn.matmul.fp32_precision == "bf16"
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+        torch.set_float32_matmul_precision("highest")
+    assert rows_to_dict(reduced) == rows_to_dict(exact)
+
+
+def test_the_probe_measures_in_full_float32_inside_autocast():
+    """Called inside a bf16 autocast region (a training loop's), the probe's forward is not autocast."""
+    from qkgeom.probing.probe import probe_gpt
+
+    model, idx = _gpt_and_batch()
+    exact, _ = probe_gpt(model, idx)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside, _ = probe_gpt(model, idx)
+        assert torch.is_autocast_enabled("cpu")  # the caller's region is left as it was
+    assert rows_to_dict(inside) == rows_to_dict(exact)
