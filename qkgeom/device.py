@@ -66,29 +66,25 @@ def as_float(v: float | torch.Tensor) -> float:
 
 
 @contextmanager
-def exact_float32() -> Iterator[None]:
-    """Inside: float32 matmuls in full float32 and no autocast; after: the caller's settings, as they were.
-
-    Training may allow reduced precision for float32 products: TF32 on a GPU (qkgeom's trainer on cuda
-    and nanoGPT set it; ~1e-3 relative), bf16 on a CPU with bf16 arithmetic (`"medium"`), or an autocast
-    region around the loop. A measurement must not inherit it: every probe, pretrained analysis and
-    callback measures inside this block (also as a decorator), so geometry on cuda is the CPU's.
-    torch has two APIs for the setting (since 2.9, per backend) and refuses to read the global one
-    when the two were mixed: it is changed and restored through the one the caller's state speaks."""
+def matmul_precision(precision: str) -> Iterator[None]:
+    """float32 matmuls at `precision` inside ("highest": full float32; "high": TF32 allowed on a GPU;
+    "medium": bf16 allowed), and the caller's setting back after. torch has two APIs for it (since
+    2.9 one per backend) and refuses to read the global setting once the per-backend one was set: it
+    is changed and restored through the one the caller's state speaks."""
     import torch
 
+    # what set_float32_matmul_precision(precision) sets each backend to (torch 2.11 and 2.13)
+    per_backend = {"highest": {"cuda": "ieee", "mkldnn": "ieee"}, "high": {"cuda": "tf32", "mkldnn": "tf32"},
+                   "medium": {"cuda": "tf32", "mkldnn": "bf16"}}[precision]  # fmt: skip
     try:
         before: str | dict[str, str] = torch.get_float32_matmul_precision()
-        torch.set_float32_matmul_precision("highest")  # sets every backend's flag as well
+        torch.set_float32_matmul_precision(precision)  # sets every backend's flag as well
     except RuntimeError:  # set per backend (torch >= 2.9): speak that API
         before = {b: getattr(torch.backends, b).matmul.fp32_precision for b in _FP32_BACKENDS}
         for b in before:
-            getattr(torch.backends, b).matmul.fp32_precision = "ieee"
+            getattr(torch.backends, b).matmul.fp32_precision = per_backend[b]
     try:
-        with ExitStack() as stack:
-            for dev in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
-                stack.enter_context(torch.autocast(dev, enabled=False))
-            yield
+        yield
     finally:
         if isinstance(before, str):
             torch.set_float32_matmul_precision(before)
@@ -98,6 +94,24 @@ def exact_float32() -> Iterator[None]:
 
 
 _FP32_BACKENDS = ("cuda", "mkldnn")  # the backends whose float32 matmuls may be reduced (TF32, bf16)
+
+
+@contextmanager
+def exact_float32() -> Iterator[None]:
+    """Inside: float32 matmuls in full float32 and no autocast; after: the caller's settings, as they were.
+
+    Training may allow reduced precision for float32 products: TF32 on a GPU (qkgeom's trainer on cuda
+    and nanoGPT allow it; ~1e-3 relative), bf16 on a CPU with bf16 arithmetic (`"medium"`), or an
+    autocast region around the loop. A measurement must not inherit it: every probe, pretrained
+    analysis and callback measures inside this block (also a decorator), so geometry on cuda is the
+    CPU's."""
+    import torch
+
+    with ExitStack() as stack:
+        stack.enter_context(matmul_precision("highest"))
+        for dev in ("cpu", "cuda") if torch.cuda.is_available() else ("cpu",):
+            stack.enter_context(torch.autocast(dev, enabled=False))
+        yield
 
 
 def visible_gpus() -> list[str]:

@@ -9,6 +9,7 @@ so ``--resume`` keeps those records and continues; data order is a pure function
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -143,8 +144,11 @@ def train(
     C.validate(cfg)
     check_device(cfg.train.device, "train.device")  # before the folder exists: a refused run writes nothing
     tb = TensorBoardLog(tensorboard) if tensorboard else None  # a missing package fails before training
+    # on cuda the float32 matmuls outside autocast may use TF32 (as nanoGPT's), for this run only: the
+    # caller's setting comes back after, and every probe measures in full float32 (device.exact_float32)
+    precision = D.matmul_precision("high") if cfg.train.device.startswith("cuda") else contextlib.nullcontext()
     try:
-        with folder_lock(Path(run_dir)):
+        with folder_lock(Path(run_dir)), precision:
             return _train(cfg, RunDir(run_dir), resume, progress, tb)
     finally:
         if tb is not None:
@@ -235,9 +239,6 @@ class _Run:
         self.train_data, self.valid_data = corpus.splits["train"], corpus.splits["valid"]
         self.vocab_size, self.unigram_baseline = corpus.vocab.size, unigram_baseline(corpus)
         self.model = GPT(m, corpus.vocab.size, seed=t.seed).to(self.device)
-        if self.device.startswith("cuda"):
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
         self.bf16 = C.uses_bf16(t)
         # the training forward (optionally compiled); probes run the eager model's explicit path
         self.forward_loss = torch.compile(self.model.loss) if t.compile else self.model.loss

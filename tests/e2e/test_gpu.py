@@ -46,12 +46,14 @@ def test_probe_on_cuda_equals_probe_on_cpu():
 
 def test_train_with_closed_loop_runs_on_cuda(tmp_path, wikitext):
     """qkgeom train on cuda: a none run (with the zero-training complement) and a closed-loop arm with a
-    control set finish; the step-0 probe (before any update) equals the CPU run's."""
+    control set finish; the step-0 probe (before any update) equals the CPU run's, measured in full
+    float32 although the run allows TF32; the caller's matmul precision is back after."""
     from qkgeom import config as C
     from qkgeom.training.loop import train
 
     base = ["train.steps=20", "probe.every=10", "train.eval_every=10", "intervention.control_seqs=2"]
     instant = "intervention.instant=['shape:activation:0.8:closed']"
+    precision = torch.get_float32_matmul_precision()  # TF32 is the run's, not the caller's after it
     runs = {}
     for dev in ("cpu", "cuda"):
         runs[dev] = train(C.load("tiny", [*base, instant, f"train.device='{dev}'"]), tmp_path / f"none-{dev}", False,
@@ -59,6 +61,7 @@ def test_train_with_closed_loop_runs_on_cuda(tmp_path, wikitext):
     closed = ["intervention.kind='shape'", "intervention.ratio=0.8", "intervention.match_row_std=true"]
     arm = C.load("tiny", [*base, *closed, "train.device='cuda'", f"intervention.baseline='{tmp_path / 'none-cuda'}'"])
     assert train(arm, tmp_path / "arm", progress=False).is_done()
+    assert torch.get_float32_matmul_precision() == precision
     g = {d: rd.read_geometry() for d, rd in runs.items()}
     step0 = {d: x[(x["step"] == 0) & ~x["metric"].str.contains("instant")] for d, x in g.items()}
     same_rows(step0["cpu"], step0["cuda"], rtol=1e-5)  # float32 forwards: the same init, another kernel

@@ -179,3 +179,31 @@ def test_the_probe_callback_path_converts_only_through_the_door(tmp_path):
     with guarded():
         train_with_probe(tmp_path / "p", steps=6, every=3)
     assert (tmp_path / "p" / "done.json").is_file()
+
+
+def test_matmul_precision_sets_and_gives_back_through_the_callers_api():
+    """device.matmul_precision on both of torch's APIs: the global one (set_float32_matmul_precision)
+    and the per-backend one, whose use makes torch refuse to read the global one (torch >= 2.9)."""
+    import torch
+
+    from qkgeom.device import matmul_precision
+
+    try:
+        torch.set_float32_matmul_precision("medium")
+        with matmul_precision("high"):
+            assert torch.get_float32_matmul_precision() == "high"
+            assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+        assert torch.get_float32_matmul_precision() == "medium"
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # per backend: the global getter now refuses
+        with pytest.raises(RuntimeError):
+            torch.get_float32_matmul_precision()
+        with matmul_precision("highest"):
+            assert (torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision) == (
+                "ieee", "ieee")  # fmt: skip
+        assert (torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision) == (
+            "bf16", "ieee")  # fmt: skip
+    finally:
+        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+        torch.set_float32_matmul_precision("highest")
+    assert torch.get_float32_matmul_precision() == "highest"
