@@ -353,7 +353,7 @@ class _Run:
                 f"(finished records and checkpoints in {self.rd.path} are kept)"
             )
 
-    @D.exact_float32()  # measured in full float32 whatever training allows (TF32 below on cuda)
+    @D.exact_float32()  # measured in full float32 whatever training allows (train() allows TF32 on cuda)
     def probe(self, step: int) -> None:
         tic = time.perf_counter()
         self.check_finite(step)  # divergence is caught before any eigen-solve sees the weights
