@@ -76,8 +76,9 @@ def _add_sweep_args(p: argparse.ArgumentParser) -> None:
     _add_set_arg(p, "override a config field in every run, e.g. --set train.steps=50 (repeatable)")
     _add_output_args(p, "RUNS/<sweep name>")
     workers = (
-        "parallel runs (default: one per CPU core; each gets cores/workers torch threads; runs on plain `cuda` "
-        "are spread over the visible GPUs, one per worker, round robin)"
+        "parallel runs (default: one per CPU core, or one per visible GPU for runs on cuda; each gets "
+        "cores/workers torch threads; runs on plain `cuda` are spread over the visible GPUs, one per worker, "
+        "round robin)"
     )
     p.add_argument("--workers", type=int, default=0, help=workers)
     _add_executor_args(p, "local process pool (default) or a Ray cluster (pip install qkgeom[ray])")

@@ -227,9 +227,13 @@ def _chunks(order: str, todo: list[RunSpec], workers: int) -> list[list[RunSpec]
     return [[r for r in todo if r.config.train.seed in g] for g in groups]
 
 
-def default_workers(n_runs: int) -> int:
-    """One worker per CPU core, never more than there are runs."""
-    return max(1, min(n_runs, os.cpu_count() or 1))
+def default_workers(todo: list[RunSpec]) -> int:
+    """One worker per CPU core for runs on the CPU; one per visible GPU when a run trains on cuda (each
+    worker a CUDA process of its own: one per core could fill a small GPU's memory; `--workers` packs
+    more); never more than there are runs."""
+    on_gpu = any(r.config.train.device.startswith("cuda") for r in todo)
+    per = max(1, len(D.visible_gpus())) if on_gpu else os.cpu_count() or 1
+    return max(1, min(len(todo), per))
 
 
 def run_one(cfg_dict: dict[str, Any], run_dir: str, threads: int = 0) -> dict[str, Any]:
@@ -365,7 +369,7 @@ def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_r
         (result.skipped if r.run_id in skip or RunDir(out / r.run_id).is_done() else todo).append(r)
     result.skipped = [r.run_id for r in result.skipped]
     todo.sort(key=lambda r: _run_order(spec.order, r))
-    workers = workers or default_workers(len(todo))
+    workers = workers or default_workers(todo)
     threads = max(1, (os.cpu_count() or 1) // workers)
     tic = time.perf_counter()
     bar = CostBar(runs, result.skipped, spec.name, progress, out)

@@ -15,7 +15,7 @@ import torch
 from qkgeom import config as C
 from qkgeom import device as D
 from qkgeom.executor import Job, run_jobs
-from qkgeom.training.sweep import RunSpec, gpu_slots
+from qkgeom.training.sweep import RunSpec, default_workers, gpu_slots
 
 
 def seen(i: int) -> tuple[int, str | None]:
@@ -51,6 +51,20 @@ def test_without_devices_a_worker_sees_what_the_parent_sees(monkeypatch):
 
 def run(device: str) -> RunSpec:
     return RunSpec("r", {}, C.load("tiny", [f"train.device='{device}'"]))
+
+
+def test_runs_on_cuda_default_to_one_worker_per_gpu(monkeypatch):
+    """Not one CUDA process per CPU core on one GPU (16 on a 16-core machine could fill a small GPU's
+    memory): one per visible GPU, no more than there are runs; runs on the CPU keep one per core."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert default_workers([run("cuda")] * 5) == 2
+    assert default_workers([run("cuda:1")] * 5) == 2
+    assert default_workers([run("cuda")]) == 1
+    assert default_workers([run("cpu")] * 20) == 16
+    assert default_workers([run("cpu")] * 3) == 3
 
 
 def test_a_sweep_spreads_only_plain_cuda_runs_over_a_local_pool(monkeypatch):
