@@ -45,7 +45,7 @@ def test_a_lease_fits_the_call_and_runs_from_what_the_call_sends(tmp_path, wikit
     # a stand-in (no network here): carried like the real one, but with no GPTConfig in it, so the two
     # nanoGPT comparisons must come back as error rows while every other section still runs
     (nanogpt / "model.py").write_text("# stands in for nanoGPT's model.py\n")
-    env = {**os.environ, "QKGEOM_WIKITEXT_DIR": str(wikitext)}
+    env = {**os.environ, "QKGEOM_WIKITEXT_DIR": str(Path(wikitext).resolve())}  # the clone is elsewhere
     lease = ["bash", "bench/gpu_lease.sh"]
 
     kit = sh(*lease, "kit", str(nanogpt), cwd=clone, env=env)
