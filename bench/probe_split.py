@@ -32,11 +32,7 @@ import statistics
 import time
 
 import torch
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+from common import SolveClock, sync
 
 
 def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
@@ -55,7 +51,7 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
     t: dict[str, float] = {}
 
     def tick(name: str, t0: float) -> float:
-        _sync(device)
+        sync(device)
         now = time.perf_counter()
         t[name] = now - t0
         return now
@@ -63,17 +59,17 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
     inner = {"accumulate": 0.0, "logits": 0.0}
 
     def on_layer(i: int, q, k, pat) -> None:  # probe_gpt's per-layer work, each half timed
-        _sync(device)
+        sync(device)
         t1 = time.perf_counter()
         acc._update_stats(i, q, k, pat, G.causal_support(q.shape[2]).expand(q.shape[0], -1), None)
-        _sync(device)
+        sync(device)
         t2 = time.perf_counter()
         acc._update_logits([i], [q], [k], True, None, [1.0])
-        _sync(device)
+        sync(device)
         inner["accumulate"] += t2 - t1
         inner["logits"] += time.perf_counter() - t2
 
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
         acc = P.GeometryAccumulator(settings=settings)
@@ -109,10 +105,10 @@ def seconds_per_probe(model, idx, cap: int, device: str, reps: int = 3) -> float
     from qkgeom.probing.probe import probe_gpt
 
     def once() -> float:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         probe_gpt(model, idx, C.ProbeSettings.of(cap))
-        _sync(device)
+        sync(device)
         return time.perf_counter() - t0
 
     once()
@@ -122,17 +118,15 @@ def seconds_per_probe(model, idx, cap: int, device: str, reps: int = 3) -> float
 def decomposition_seconds(model, idx, cap: int, device: str) -> tuple[float, float]:
     """(whole probe_gpt, the part of it inside qkgeom's decompositions, common.SolveClock) of one call
     after a warm-up."""
-    from common import SolveClock
-
     from qkgeom import config as C
     from qkgeom.probing.probe import probe_gpt
 
     probe_gpt(model, idx, C.ProbeSettings.of(cap))
     with SolveClock() as clock:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         probe_gpt(model, idx, C.ProbeSettings.of(cap))
-        _sync(device)
+        sync(device)
     return time.perf_counter() - t0, clock.seconds
 
 
@@ -167,13 +161,13 @@ def main(argv: list[str] | None = None) -> None:
         x = torch.randint(0, 284, (args.batch, args.ctx), device=args.device)
         times = []
         for _ in range(3):
-            _sync(args.device)
+            sync(args.device)
             t0 = time.perf_counter()
             loss = train_model.loss(x, x)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            _sync(args.device)
+            sync(args.device)
             times.append(time.perf_counter() - t0)
         return statistics.median(times[1:])
 

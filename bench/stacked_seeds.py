@@ -38,17 +38,13 @@ import torch.nn.functional as F
 from torch.func import functional_call, stack_module_state
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import sync  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
 from qkgeom.training.loop import make_optimizer  # noqa: E402
 from qkgeom.training.model import GPT  # noqa: E402
 
 VOCAB = 284  # WikiText-2's characters: the shape of the real runs, random ids for the timing
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def batches(n_seeds: int, steps: int, cfg: C.RunConfig) -> torch.Tensor:
