@@ -8,7 +8,7 @@ In this order, what issue 53 asks first:
 
 1. the `gpu` tests (tests/e2e/test_gpu.py: probe, train with the closed loop, the Hugging Face path,
    the Probe callback, `qkgeom pretrained --device cuda`, the solve door; each equal to the CPU within
-   1e-6 / 1e-5);
+   1e-6 / 1e-5; with --device cpu a dry run of the tests' code, cpu against cpu);
 2. the solve door's premise: one probe's 576 logit Grams (256 x 256) solved by torch on the device
    against the same batch through qkgeom.solves (on the host);
 3. at the paper preset and at GPT-2-small width (12 layers, d_model 768, 12 heads, context 256):
@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -62,11 +63,12 @@ REPO = Path(__file__).resolve().parent.parent
 GPT2_SMALL = ["model.n_layers=12", "model.d_model=768", "model.n_heads=12", "model.n_ctx=256", "train.batch_size=32"]
 
 
-def gpu_tests() -> list[tuple[str, str]]:
-    """(test, PASSED/FAILED/SKIPPED) of `pytest -m gpu tests/e2e/test_gpu.py`."""
+def gpu_tests(dev: str) -> list[tuple[str, str]]:
+    """(test, PASSED/FAILED/SKIPPED) of `pytest -m gpu tests/e2e/test_gpu.py` on `dev` (QKGEOM_GPU_TESTS_ON:
+    on the CPU a dry run of the tests' own code, each comparison then cpu with cpu)."""
     r = subprocess.run(
         [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rA", "-p", "no:cacheprovider", "tests/e2e/test_gpu.py"],
-        capture_output=True, text=True, cwd=REPO,
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "QKGEOM_GPU_TESTS_ON": dev},
     )  # fmt: skip
     return re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR) \S*?::(\w+)", r.stdout, flags=re.M) or [
         ("ERROR", r.stdout[-300:])
@@ -155,8 +157,6 @@ def concurrent_runs(dev: str, quick: bool, counts: list[int]) -> list[tuple[str,
     local pool (each worker cores // K threads; K = 1 runs in this process, K > 1 each in a spawned one),
     for each K: tokens/s in all from each run's own clock after its start-up (done.json's
     segment_seconds), and over the wall time with start-ups."""
-    import os
-
     from qkgeom.training.sweep import RunSpec, execute
 
     steps = 20 if quick else 200
@@ -286,8 +286,7 @@ def sections(args: argparse.Namespace) -> list[tuple[str, float, Callable[[], li
         ),
     }
     out: list = []
-    if not quick:
-        out.append(("gpu tests", 120, lambda: [(f"gpu test: {t}", status) for status, t in gpu_tests()]))
+    out.append(("gpu tests", 120, lambda: [(f"gpu test: {t}", status) for status, t in gpu_tests(dev)]))
     out.append(("solve door: one probe's logit Grams", 15,
                 lambda: [("solve door: one probe's logit Grams", door_premise(dev, quick))]))  # fmt: skip
     for label, cfg in shapes.items():

@@ -3,7 +3,8 @@
 # spends its minutes measuring. The device tool sends this repository and nothing beside it (not
 # ../shared, not a nanoGPT snapshot) to a bare machine whose python3 already holds torch, pandas,
 # pyarrow, scipy, matplotlib, transformers and pytest (the 'cuda' image; nothing can be fetched there).
-# So the kit puts WikiText-2 and nanoGPT's model.py in .lease/ (ignored by git), which the call carries.
+# So the kit puts WikiText-2 (with the raw validation text the gpu tests read) and nanoGPT's model.py in
+# .lease/ (ignored by git), which the call carries.
 #
 #   here, before the lease:  bash bench/gpu_lease.sh kit NANOGPT_DIR     # NANOGPT_DIR holds model.py
 #                            bash bench/gpu_lease.sh run --device cpu --quick   # the same path, checked here
@@ -18,7 +19,8 @@
 #
 # `run` prints the machine, then runs gpu_check.py with a deadline inside the call's limit; its table
 # and log land in $OUT (they come back with the call) and the table is rewritten after every row, so a
-# run cut short keeps what it measured. Commit $OUT/gpu_check.md as docs/results/gpu/gpu_check.md. A
+# run cut short keeps what it measured; the eager steps' kernel profiles (profile-*.txt) land beside it.
+# Commit $OUT/gpu_check.md and the profiles under docs/results/gpu/. A
 # second call made at once finds the machine still warm (30 s) and costs no new start: with the minutes
 # left, `DEADLINE=S bash bench/gpu_lease.sh run --only WORDS` runs the sections the first left `not run`
 # (their rows then come back in a table of their own).
@@ -39,13 +41,16 @@ travel() {  # what a call would send: tracked files, untracked ones git does not
 
 case "${1:-}" in
 kit)
-    src="${QKGEOM_WIKITEXT_DIR:-../shared/data/wikitext}/wikitext-2"
+    src="${QKGEOM_WIKITEXT_DIR:-../shared/data/wikitext}"
     nano="${2:?usage: bash bench/gpu_lease.sh kit NANOGPT_DIR (a folder holding the model.py of nanoGPT)}"
-    [[ -f "$src/train.txt" ]] || { echo "no WikiText-2 at $src (set QKGEOM_WIKITEXT_DIR)" >&2; exit 2; }
+    [[ -f "$src/wikitext-2/train.txt" ]] || { echo "no WikiText-2 at $src/wikitext-2 (set QKGEOM_WIKITEXT_DIR)" >&2; exit 2; }
+    # the raw validation text too: the gpu tests' pretrained path builds its vocabulary from it
+    [[ -f "$src/wikitext-2-raw/valid.txt" ]] || { echo "no $src/wikitext-2-raw/valid.txt" >&2; exit 2; }
     [[ -f "$nano/model.py" ]] || { echo "no model.py in $nano" >&2; exit 2; }
     git check-ignore -q "$KIT/x" || { echo "$KIT/ is not ignored by git: it would travel as part of the tree" >&2; exit 2; }
-    rm -rf "$KIT.tmp" && mkdir -p "$KIT.tmp/wikitext/wikitext-2" "$KIT.tmp/nanogpt"
-    cp "$src"/{train,valid,test}.txt "$KIT.tmp/wikitext/wikitext-2/"
+    rm -rf "$KIT.tmp" && mkdir -p "$KIT.tmp/wikitext/wikitext-2" "$KIT.tmp/wikitext/wikitext-2-raw" "$KIT.tmp/nanogpt"
+    cp "$src"/wikitext-2/{train,valid,test}.txt "$KIT.tmp/wikitext/wikitext-2/"
+    cp "$src"/wikitext-2-raw/*.txt "$KIT.tmp/wikitext/wikitext-2-raw/"
     cp "$nano/model.py" "$KIT.tmp/nanogpt/"
     rm -rf "$KIT" && mv "$KIT.tmp" "$KIT"  # whole or not at all
     echo "kit: $(du -sh "$KIT" | cut -f1) in $KIT/"

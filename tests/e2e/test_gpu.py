@@ -6,15 +6,22 @@ GPU in one prepared call (`pytest -m gpu`). On a CPU, tests/ground/test_device.p
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
 
+# the device under test: cuda, or cpu for a dry run of these tests' own code before a lease
+# (QKGEOM_GPU_TESTS_ON=cpu; tests/e2e/test_gpu_lease.py does it): every comparison is then cpu with cpu
+DEV = os.environ.get("QKGEOM_GPU_TESTS_ON", "cuda")
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_check.py runs these)"),
+    pytest.mark.skipif(
+        DEV.startswith("cuda") and not torch.cuda.is_available(),
+        reason="needs a CUDA device (bench/gpu_check.py runs these)",
+    ),
 ]
 RTOL = 1e-6
 
@@ -38,7 +45,7 @@ def test_probe_on_cuda_equals_probe_on_cpu():
     model = GPT(cfg.model, 284, seed=0).eval()
     idx = torch.randint(0, 284, (10, cfg.model.n_ctx), generator=torch.Generator().manual_seed(0))
     cpu_rows, cpu_spec = probe_gpt(model, idx)
-    gpu_rows, gpu_spec = probe_gpt(model.to("cuda"), idx.to("cuda"))
+    gpu_rows, gpu_spec = probe_gpt(model.to(DEV), idx.to(DEV))
     same_rows(cpu_rows, gpu_rows)
     for k in cpu_spec:
         np.testing.assert_allclose(cpu_spec[k], gpu_spec[k], rtol=RTOL, atol=1e-9)
@@ -55,16 +62,16 @@ def test_train_with_closed_loop_runs_on_cuda(tmp_path, wikitext):
     instant = "intervention.instant=['shape:activation:0.8:closed']"
     precision = torch.get_float32_matmul_precision()  # TF32 is the run's, not the caller's after it
     runs = {}
-    for dev in ("cpu", "cuda"):
-        runs[dev] = train(C.load("tiny", [*base, instant, f"train.device='{dev}'"]), tmp_path / f"none-{dev}", False,
-                          progress=False)  # fmt: skip
+    for side, dev in (("cpu", "cpu"), ("gpu", DEV)):
+        runs[side] = train(C.load("tiny", [*base, instant, f"train.device='{dev}'"]), tmp_path / f"none-{side}", False,
+                           progress=False)  # fmt: skip
     closed = ["intervention.kind='shape'", "intervention.ratio=0.8", "intervention.match_row_std=true"]
-    arm = C.load("tiny", [*base, *closed, "train.device='cuda'", f"intervention.baseline='{tmp_path / 'none-cuda'}'"])
+    arm = C.load("tiny", [*base, *closed, f"train.device='{DEV}'", f"intervention.baseline='{tmp_path / 'none-gpu'}'"])
     assert train(arm, tmp_path / "arm", progress=False).is_done()
     assert torch.get_float32_matmul_precision() == precision
     g = {d: rd.read_geometry() for d, rd in runs.items()}
     step0 = {d: x[(x["step"] == 0) & ~x["metric"].str.contains("instant")] for d, x in g.items()}
-    same_rows(step0["cpu"], step0["cuda"], rtol=1e-5)  # float32 forwards: the same init, another kernel
+    same_rows(step0["cpu"], step0["gpu"], rtol=1e-5)  # float32 forwards: the same init, another kernel
 
 
 def test_analyse_model_on_cuda_equals_cpu():
@@ -76,7 +83,7 @@ def test_analyse_model_on_cuda_equals_cpu():
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=64))
     ids = torch.randint(0, 1000, (4, 64), generator=torch.Generator().manual_seed(1))
     cpu_rows, _ = analyse_model(model.eval(), iter([ids]))
-    gpu_rows, _ = analyse_model(model.to("cuda"), iter([ids]))
+    gpu_rows, _ = analyse_model(model.to(DEV), iter([ids]))
     same_rows(cpu_rows, gpu_rows, rtol=1e-5)
 
 
@@ -85,8 +92,8 @@ def test_probe_callback_on_cuda(tmp_path):
     import qkgeom
     from tests.probing.test_tracking import VOCAB, T, gpt2
 
-    model = gpt2().to("cuda")
-    batch = torch.randint(0, VOCAB, (4, T), device="cuda")
+    model = gpt2().to(DEV)
+    batch = torch.randint(0, VOCAB, (4, T), device=DEV)
     probe = qkgeom.Probe(model, batch, every=2, out=tmp_path / "p")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(4):
@@ -110,12 +117,14 @@ def test_pretrained_cli_takes_a_device(tmp_path, wikitext):
     vocab = build_vocab(wikitext / "wikitext-2-raw" / "valid.txt", "char")
     _save("gpt2", tmp_path / "m", vocab, 0)
     rows = {}
-    for dev in ("cpu", "cuda"):
-        assert main(["pretrained", str(tmp_path / "m"), "--device", dev, "--out", str(tmp_path / dev), *SMALL_RUN]) == 0
-        info = json.loads(next((tmp_path / dev).glob("*/config.json")).read_text())
+    for side, dev in (("cpu", "cpu"), ("gpu", DEV)):
+        assert (
+            main(["pretrained", str(tmp_path / "m"), "--device", dev, "--out", str(tmp_path / side), *SMALL_RUN]) == 0
+        )
+        info = json.loads(next((tmp_path / side).glob("*/config.json")).read_text())
         assert info["pretrained_config"]["device"] == dev
-        rows[dev] = pd.read_parquet(next((tmp_path / dev).glob("*/geometry.parquet")))
-    same_rows(rows["cpu"], rows["cuda"], rtol=1e-5)
+        rows[side] = pd.read_parquet(next((tmp_path / side).glob("*/geometry.parquet")))
+    same_rows(rows["cpu"], rows["gpu"], rtol=1e-5)
 
 
 def test_decompositions_solve_on_the_host_and_return_to_cuda():
@@ -127,10 +136,11 @@ def test_decompositions_solve_on_the_host_and_return_to_cuda():
     g = torch.Generator().manual_seed(0)
     w = torch.randn(12, 96, 64, generator=g, dtype=torch.float64)
     gram = w.transpose(-1, -2) @ w
-    out = S.eigh(gram.cuda())
-    assert out.eigenvalues.device.type == "cuda" and out.eigenvectors.device.type == "cuda"
+    kind = torch.device(DEV).type
+    out = S.eigh(gram.to(DEV))
+    assert out.eigenvalues.device.type == kind and out.eigenvectors.device.type == kind
     assert torch.equal(out.eigenvalues.cpu(), torch.linalg.eigh(gram).eigenvalues)
-    assert torch.equal(robust_eigvalsh(gram.cuda()).cpu(), robust_eigvalsh(gram))
-    u, r = triangular_factor(w.cuda())
-    assert u is None and r.device.type == "cuda"
+    assert torch.equal(robust_eigvalsh(gram.to(DEV)).cpu(), robust_eigvalsh(gram))
+    u, r = triangular_factor(w.to(DEV))
+    assert u is None and r.device.type == kind  # the Gram route: R alone
     np.testing.assert_allclose(r.cpu().numpy(), triangular_factor(w)[1].numpy(), rtol=1e-10, atol=1e-12)

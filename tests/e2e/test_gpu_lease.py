@@ -3,8 +3,8 @@ repository (with the working tree's uncommitted changes applied), `kit` packs th
 brings what a call sends under the device tool's 64 MiB, the files such a call would send (tracked,
 untracked and not ignored, the carried kit) are copied alone into a fresh folder, and `run --device cpu
 --quick` measures every row there (those against nanoGPT excepted: no copy of it can be fetched
-here, and a stand-in shows that a failing section leaves the rest running); `restore` leaves the
-index as HEAD has it."""
+here, and a stand-in shows that a failing section leaves the rest running; the gpu tests run as a
+dry run of their own code, cpu against cpu); `restore` leaves the index as HEAD has it."""
 
 from __future__ import annotations
 
@@ -85,6 +85,8 @@ def test_a_lease_fits_the_call_and_runs_from_what_the_call_sends(tmp_path, wikit
     errors = [r for r in rows if "error:" in r]
     assert [r.split(" | ")[0] for r in errors] == ["| paper: bare step, eager", "| GPT-2-small width: bare step, eager"]
     assert all("has no attribute 'GPTConfig'" in r for r in errors) and "not run:" not in table, table
+    # the gpu tests' own code, dry-run on the CPU (cpu against cpu): all six pass
+    assert len([r for r in rows if r.startswith("| gpu test: ") and r.endswith(" | PASSED |")]) == 6, table
     for row in ("solve door", "paper: one probe", "GPT-2-small width: probe split", "whole job at its cadence",
                 "1 paper-preset runs at once (20 steps each, 1/1 done)", "seeds stacked"):  # fmt: skip
         assert row in table, table
