@@ -15,7 +15,9 @@ In this order, what issue 53 asks first:
    seconds per probe against the time of 10 bare training steps, split by part (bench/probe_split.py:
    forward, accumulate, logits, solves, weights, fits, write), and the time inside decompositions;
    then the eager bare step against nanoGPT's model.py, if --nanogpt names a folder holding it (a
-   snapshot of karpathy/nanoGPT; not vendored here), else "not measured";
+   snapshot of karpathy/nanoGPT; not vendored here), else "not measured", taken in turn, beside our
+   attention as one QKV matmul (a variant defined here) and each side's kernel time per step by kind
+   (gemm, attention, optimizer, ...; the profiles' top 25 written beside --out);
 4. the paper preset at the study's real cadence (bench/cadence.py: unit costs from a short run,
    composed at 20,000 steps with a probe every 500): whole-job tokens/s and probe share;
 5. the compiled bare step against nanoGPT's at both shapes;
@@ -45,9 +47,11 @@ import tempfile
 import time
 import traceback
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cadence  # noqa: E402
@@ -57,7 +61,7 @@ from probe_split import decomposition_seconds, probe_parts, seconds_per_probe  #
 
 from qkgeom import config as C  # noqa: E402
 from qkgeom.training.loop import make_optimizer  # noqa: E402
-from qkgeom.training.model import GPT  # noqa: E402
+from qkgeom.training.model import GPT, Attention  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 GPT2_SMALL = ["model.n_layers=12", "model.d_model=768", "model.n_heads=12", "model.n_ctx=256", "train.batch_size=32"]
@@ -77,21 +81,55 @@ def gpu_tests(dev: str) -> list[tuple[str, str]]:
 
 def bare_step_rate(cfg: C.RunConfig, step, steps: int) -> float:
     """tokens/s of `step(x, y)` (forward, backward, optimiser) after 3 warm-up steps (compile included there)."""
+    return step_rates(cfg, {"step": step}, steps, rounds=1)["step"]
+
+
+def step_rates(cfg: C.RunConfig, steps_of: dict[str, Callable], steps: int, rounds: int = 3) -> dict[str, float]:
+    """tokens/s of each `step(x, y)` in `steps_of`: 3 warm-up steps each (compile included there), then
+    `rounds` rounds of `steps` steps taken in turn (A, B, C, A, B, C, ...), best round of each, so a
+    GPU's clocks and a neighbour's load fall on every side alike."""
     t, dev = cfg.train, cfg.train.device
     x = torch.randint(0, 284, (t.batch_size, cfg.model.n_ctx), device=dev)
-    for _ in range(3):
-        step(x, x)
-    sync(dev)
-    tic = time.perf_counter()
-    for _ in range(steps):
-        step(x, x)
-    sync(dev)
-    return steps * t.batch_size * cfg.model.n_ctx / (time.perf_counter() - tic)
+    for step in steps_of.values():
+        for _ in range(3):
+            step(x, x)
+    best = dict.fromkeys(steps_of, 0.0)
+    for _ in range(rounds):
+        for name, step in steps_of.items():
+            sync(dev)
+            tic = time.perf_counter()
+            for _ in range(steps):
+                step(x, x)
+            sync(dev)
+            best[name] = max(best[name], steps * t.batch_size * cfg.model.n_ctx / (time.perf_counter() - tic))
+    return best
 
 
-def ours(cfg: C.RunConfig, compiled: bool):
-    """Our GPT's training step at cfg's shape (bf16 autocast on cuda, fused AdamW as the trainer)."""
+class FusedQKV(Attention):
+    """The bench's variant of our attention, for the eager comparison only (the library keeps three
+    matmuls): one matmul against [W_Q | W_K | W_V], as nanoGPT's c_attn, over the same parameters.
+    Three matmuls cost, under autocast, three casts of the LayerNorm'd input and two adds of its
+    gradient, and three weight-gradient GEMMs of a third the width (tiles that fill fewer of a large
+    GPU's SMs); whether that is the eager gap on a GPU is what its row asks."""
+
+    def forward(self, x: torch.Tensor, explicit: bool = False) -> torch.Tensor:
+        if explicit:
+            return super().forward(x, True)
+        B, T, _ = x.shape
+        H, E = self.n_heads, self.d_head
+        qkv = x @ torch.cat([self.W_Q, self.W_K, self.W_V], dim=1)
+        q, k, v = (y.view(B, T, H, E).transpose(1, 2) for y in qkv.split(H * E, dim=-1))
+        z = F.scaled_dot_product_attention(self.hook_q(q), self.hook_k(k), v, is_causal=True)
+        return z.transpose(1, 2).reshape(B, T, H * E) @ self.W_O
+
+
+def ours(cfg: C.RunConfig, compiled: bool, fused_qkv: bool = False):
+    """Our GPT's training step at cfg's shape (bf16 autocast on cuda, fused AdamW as the trainer);
+    fused_qkv: its attention as FusedQKV (same parameters and values)."""
     model = GPT(cfg.model, 284).to(cfg.train.device)
+    if fused_qkv:
+        for block in model.blocks:
+            block.attn.__class__ = FusedQKV  # no state of its own: the same module, another forward
     opt = make_optimizer(model, cfg.train)
     loss_fn = torch.compile(model.loss) if compiled else model.loss
     dtype = cfg.train.device.split(":")[0]
@@ -227,17 +265,89 @@ def probe_rows(label: str, cfg: C.RunConfig, dev: str, quick: bool) -> list[tupl
     return rows
 
 
-def step_rows(label: str, cfg: C.RunConfig, compiled: bool, nanogpt_dir: Path | None, quick: bool):
-    """Our bare training step at cfg's shape, against nanoGPT's model.py's if a folder is given."""
+# kernel (or, on a CPU, aten op) names -> kind, first match wins: where an eager step's device time goes
+KERNEL_KINDS = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("gemm", ("gemm", "xmma", "nvjet", "cutlass", "splitk", "aten::mm", "aten::addmm", "aten::bmm")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("layer norm", ("layer_norm", "gammabeta")),
+    ("loss", ("softmax", "nll_loss")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, marks in KERNEL_KINDS if any(m in low for m in marks)), "other")
+
+
+def step_profile(cfg: C.RunConfig, step, steps: int, out: Path | None) -> tuple[float, dict[str, float]]:
+    """(device ms per step, ms per step by KERNEL_KINDS) of `step` under torch.profiler: kernel time on
+    cuda, aten ops' own CPU time on a CPU; the whole table, top 25, written to `out` if given."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = cfg.train.device
+    on_gpu = dev.startswith("cuda")
+    x = torch.randint(0, 284, (cfg.train.batch_size, cfg.model.n_ctx), device=dev)
+    step(x, x)
+    sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if on_gpu else [])]) as prof:
+        for _ in range(steps):
+            step(x, x)
+        sync(dev)
+    events = prof.key_averages()
+
+    def own_ms(e) -> float:  # an event's own time on the measured side, ms over the whole profile
+        if not on_gpu:
+            return e.self_cpu_time_total / 1e3
+        # kernels alone, as torch's own table sums them: not runtime calls (cudaLaunchKernel, on the host),
+        # not record_function ranges drawn on the device's timeline (the optimizer's step: pytorch#130730)
+        if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
+            return 0.0
+        return e.self_device_time_total / 1e3
+
+    kinds: dict[str, float] = {}
+    for e in events:
+        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + own_ms(e) / steps
+    if out is not None:
+        sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+        out.write_text(events.table(sort_by=sort, row_limit=25, max_name_column_width=90) + "\n")
+    return sum(kinds.values()), kinds
+
+
+def step_rows(label: str, cfg: C.RunConfig, compiled: bool, nanogpt_dir: Path | None, quick: bool,
+              profiles: Path | None = None):  # fmt: skip
+    """Our bare training step at cfg's shape, against nanoGPT's model.py's if a folder is given, taken in
+    turn; eager, also our attention as one QKV matmul (FusedQKV) and each side's device time per step
+    by kernel kind (tables written into `profiles`)."""
     kind = "compiled" if compiled else "eager"
-    steps = 5 if quick else 30
-    _, step = ours(cfg, compiled)
-    mine = bare_step_rate(cfg, step, steps)
-    if nanogpt_dir is None:
-        return [(f"{label}: bare step, {kind}", f"{mine:,.0f} tokens/s; nanoGPT not measured (--nanogpt)")]
-    _, theirs_step = nanogpt(nanogpt_dir, cfg, compiled)
-    theirs = bare_step_rate(cfg, theirs_step, steps)
-    return [(f"{label}: bare step, {kind}", f"{mine:,.0f} vs nanoGPT {theirs:,.0f} tokens/s ({mine / theirs:.2f}x)")]
+    sides = {"ours": ours(cfg, compiled)[1]}
+    if not compiled:
+        sides["ours, one QKV matmul"] = ours(cfg, False, fused_qkv=True)[1]
+    if nanogpt_dir is not None:
+        sides["nanoGPT"] = nanogpt(nanogpt_dir, cfg, compiled)[1]
+    rates = step_rates(cfg, sides, 5 if quick else 30)
+    mine, theirs = rates["ours"], rates.get("nanoGPT")
+    if theirs:
+        text = f"{mine:,.0f} vs nanoGPT {theirs:,.0f} tokens/s ({mine / theirs:.2f}x)"
+    else:
+        text = f"{mine:,.0f} tokens/s; nanoGPT not measured (--nanogpt)"
+    if compiled:
+        return [(f"{label}: bare step, {kind}", text)]
+    fused = rates["ours, one QKV matmul"]
+    base = "nanoGPT" if theirs else "ours"
+    text += f"; ours with one QKV matmul {fused:,.0f} ({fused / (theirs or mine):.2f}x {base})"
+    rows = [(f"{label}: bare step, {kind}", text)]
+    parts = []
+    for name in [n for n in ("ours", "nanoGPT") if n in sides]:
+        slug = f"{label.split(':')[0].replace(' ', '-').lower()}-{name.lower()}"
+        total, kinds = step_profile(cfg, sides[name], 3, profiles / f"profile-{slug}.txt" if profiles else None)
+        split = ", ".join(f"{k} {v:.2f}" for k, v in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        wall = 1e3 * cfg.train.batch_size * cfg.model.n_ctx / rates[name]  # kernels well under it: launch-bound
+        parts.append(f"{name} {total:.2f} of {wall:.2f} wall ({split})" if total else f"{name}: none recorded")
+    what = "kernel" if cfg.train.device.startswith("cuda") else "op"
+    rows.append((f"{label}: eager step's {what} time, ms/step", "; ".join(parts)))
+    return rows
 
 
 def paper_job_rows(dev: str, quick: bool) -> list[tuple[str, str]]:
@@ -291,8 +401,8 @@ def sections(args: argparse.Namespace) -> list[tuple[str, float, Callable[[], li
                 lambda: [("solve door: one probe's logit Grams", door_premise(dev, quick))]))  # fmt: skip
     for label, cfg in shapes.items():
         out.append((f"{label}: one probe", 30, lambda label=label, cfg=cfg: probe_rows(label, cfg, dev, quick)))
-        out.append((f"{label}: bare step, eager", 30,
-                    lambda label=label, cfg=cfg: step_rows(label, cfg, False, args.nanogpt, quick)))  # fmt: skip
+        eager = partial(step_rows, label, cfg, False, args.nanogpt, quick, args.profiles)
+        out.append((f"{label}: bare step, eager", 45, eager))
     out.append(("paper preset: whole job at its cadence", 90, lambda: paper_job_rows(dev, quick)))
     if not quick:
         for label, cfg in shapes.items():
@@ -328,6 +438,7 @@ def main() -> None:
     if args.nanogpt is not None and not (args.nanogpt / "model.py").is_file():
         sys.exit(f"--nanogpt {args.nanogpt}: no model.py there")
     rows = Table(args.out if not args.quick or args.out != ap.get_default("out") else None)
+    args.profiles = rows.out.parent if rows.out is not None else None  # the eager steps' profile tables
     name = torch.cuda.get_device_name(0) if dev.startswith("cuda") else "cpu"
     rows.append(("device", f"{name}; torch {torch.__version__}"))
     for what, need, run in sections(args):
