@@ -2,6 +2,8 @@
 the counts do not depend on it) would ask of a GPU, counted on any machine:
 
 - host transfers: reads through qkgeom.device.to_host (each a device sync);
+- direct copies: `tensor.cpu()` made by qkgeom code outside that door (each a device sync too: the
+  accumulator keeps some per-batch sums on the host);
 - solve round trips: decompositions sent to the host through qkgeom.solves.host (one sync each);
 - implicit syncs: `bool(tensor)` made by qkgeom code outside the solve door (an `if` on a device value);
 - decompositions left on the device: torch.linalg eigh/eigvalsh/svd/svdvals/qr/cholesky calls made
@@ -33,7 +35,7 @@ except ImportError:  # a tree from before the solve door
 
 PACKAGE = Path(qkgeom.__file__).resolve().parent
 DECOMPOSITIONS = {"linalg_eigh", "linalg_eigvalsh", "linalg_svd", "linalg_svdvals", "linalg_qr", "linalg_cholesky_ex"}
-n = {"transfers": 0, "round_trips": 0, "bool": 0, "device_calls": 0, "device_matrices": 0}
+n = {"transfers": 0, "copies": 0, "round_trips": 0, "bool": 0, "device_calls": 0, "device_matrices": 0}
 
 
 def ours() -> bool:
@@ -49,6 +51,8 @@ class Count(TorchFunctionMode):
         inside = S is not None and S.solving()
         if not inside and name == "__bool__" and ours():
             n["bool"] += 1
+        if not inside and name == "cpu" and not D.converting() and ours():
+            n["copies"] += 1
         if not inside and name in DECOMPOSITIONS and ours():
             a = args[0]
             n["device_calls"] += 1
@@ -77,6 +81,7 @@ with torch.no_grad(), Count():
 label = sys.argv[1] if len(sys.argv) > 1 else "now"
 print(f"{label}: one probe at GPT-2-small width (12 layers x 12 heads), as a GPU would see it")
 print(f"  host transfers (qkgeom.device.to_host)             {n['transfers']:>6}")
+print(f"  direct copies (tensor.cpu() outside the door)      {n['copies']:>6}")
 print(f"  solve round trips (qkgeom.solves.host)             {n['round_trips']:>6}")
 print(f"  implicit syncs (bool of a tensor, outside the door) {n['bool']:>5}")
 print(f"  decompositions left on the device: calls           {n['device_calls']:>6}")

@@ -428,7 +428,7 @@ def centred_logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> 
     q_i . (k_j - mean k) / sqrt(d_head), i.e. Q K_c^T with K_c the keys centred over positions, so its
     singular values are those of R_Q R_Kc^T (triangular factors, min(T, d_head) square), padded with
     zeros to T: exact, in float64, and d_head^3 instead of T^3 work (the probe's costliest solve)."""
-    if not causal and bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all()):
+    if not causal and bool(torch.isfinite(q).all() & torch.isfinite(k).all()):  # one device sync
         qd = q.detach().to(torch.float64)
         kc = k.detach().to(torch.float64)
         kc = kc - kc.mean(-2, keepdim=True)

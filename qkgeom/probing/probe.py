@@ -9,6 +9,7 @@ spectra come from :func:`weight_geometry`. Adding a metric = one line here + one
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -58,52 +59,75 @@ class _Layer:
     n_k_heads: int = 0
     ent_sum: Tensor | None = None  # (H,) sums over rows with k >= 2
     ent_norm_sum: Tensor | None = None
-    ent_n: int = 0
+    ent_n: int | Tensor = 0  # a device tensor while streaming, an int once rows() has read it
     ent_hist: Tensor | None = None  # (H, bins) of normalised entropy
     logit_pr_sum: Tensor | None = None  # (H,)
     logit_top_sum: Tensor | None = None
     logit_n: int = 0
     row_std_sum: Tensor | None = None  # (H,) sums over query rows of the per-row logit std
     row_std_sq_sum: Tensor | None = None
-    row_n: int = 0
+    row_n: int | Tensor = 0
     energy_rank_sum: Tensor | None = None  # (H,) sums over sequences of the row-centred logits' 90%-energy rank
     logit_gain: float = 1.0  # the model's scores are q k^T / sqrt(E) times this
 
 
 class _Rows:
-    """The tidy rows an accumulator gives, each PR row noted with its convention; per-head values
-    reach the host in one transfer per vector, not per head."""
+    """The tidy rows an accumulator gives, each PR row noted with its convention. A value given as a
+    tensor is read at `finish()`, every one of them in one transfer (qkgeom.device.Later), not one
+    device sync per row."""
 
     def __init__(self, site: str, conv: str) -> None:
         self.site, self.conv, self.rows = site, conv, []
+        self._later = D.Later()
 
     def add(self, layer: int, head: int, metric: str, value: float | Tensor) -> None:
         pr_conv = "variance" if metric.endswith("bias_corrected") else self.conv
         note = G.pr_note(pr_conv) if G.is_pr_metric(metric) else ""
-        row = {"layer": layer, "head": head, "site": self.site, "metric": metric, "value": D.as_float(value)}
+        read = isinstance(value, torch.Tensor)
+        known = math.nan if read else float(value)
+        row = {"layer": layer, "head": head, "site": self.site, "metric": metric, "value": known}
         self.rows.append(row | {"note": note} if note else row)
+        if read:
+            self._later.want(value, self._filler(len(self.rows) - 1))
 
     def heads(self, layer: int, metric: str, values: Tensor | list) -> None:
-        for h, v in enumerate(D.host_list(values) if isinstance(values, torch.Tensor) else values):
-            self.add(layer, h, metric, v)
+        first, read = len(self.rows), isinstance(values, torch.Tensor)
+        for h in range(len(values)):
+            self.add(layer, h, metric, math.nan if read else values[h])
+        if read:
+            self._later.want(values, self._filler(first))
 
     def heads_and_mean(self, layer: int, metric: str, values: Tensor) -> None:
         """Each head's value, then the layer's (head -1) as their mean."""
         self.heads(layer, metric, values)
         self.add(layer, -1, metric, values.mean())
 
+    def _filler(self, first: int) -> Callable[[np.ndarray], None]:
+        """Writes an array's values into the rows from `first` on, as Python floats."""
+
+        def put(values: np.ndarray) -> None:
+            for i, v in enumerate(values.reshape(-1).tolist()):
+                self.rows[first + i]["value"] = float(v)
+
+        return put
+
+    def finish(self) -> list[dict]:
+        """The rows, every value read."""
+        self._later.fetch()
+        return self.rows
+
 
 def _spectrum_rows(out: _Rows, li: int, st: _Layer) -> None:
     """Layer `li`'s covariance-spectrum summaries of queries and keys (the layer's whole and per head),
-    and the PR contrast PR_Q - PR_K; each dict of statistics reaches the host in one transfer."""
+    and the PR contrast PR_Q - PR_K (read with every other row, at out.finish())."""
     conv = out.conv
     head_eigs = {}
     for side, acc, n_heads in (("query", st.q_all, st.n_q_heads), ("key", st.k_all, st.n_k_heads)):
         head_eigs[side] = acc.block_eigenvalues(n_heads)
         layer_sum, head_sum = _summary(acc.eigenvalues(), acc.n, conv), _summary(head_eigs[side], acc.n, conv)
-        for name, v in zip(layer_sum, D.host_list(torch.stack(list(layer_sum.values()))), strict=True):
+        for name, v in layer_sum.items():
             out.add(li, -1, f"{side}_{name}", v)
-        for name, vals in zip(head_sum, D.host_list(torch.stack(list(head_sum.values()))), strict=True):
+        for name, vals in head_sum.items():
             out.heads(li, f"{side}_{name}", vals)
     pr_q = G.participation_ratio_as(head_eigs["query"], conv)
     pr_k = G.participation_ratio_as(head_eigs["key"], conv)
@@ -217,7 +241,7 @@ class GeometryAccumulator:
             st.row_std_sum, st.row_std_sq_sum = st.row_std_sum + row_std, st.row_std_sq_sum + row_sq
             st.energy_rank_sum = st.energy_rank_sum + sums["rank"]
             st.logit_pr_sum, st.logit_top_sum = st.logit_pr_sum + sums["pr"], st.logit_top_sum + top
-        st.row_n += int(D.to_host(sums["row_n"]))
+        st.row_n = st.row_n + sums["row_n"]  # on the device until rows() reads it
         st.logit_n += n_seqs
 
     @staticmethod
@@ -229,23 +253,25 @@ class GeometryAccumulator:
         h, hn = G.attention_entropy(pat, support[:, None, :].expand(B, H, T))  # (B, H, T)
         # a non-finite pattern row (non-finite weights) has no entropy: it is left out, not binned
         valid = (mask.to(pat.device) & (support >= 2))[:, None, :].expand(B, H, T) & torch.isfinite(hn)
-        hv = torch.where(valid, h, 0.0).sum((0, 2)).cpu()
-        hnv = torch.where(valid, hn, 0.0).sum((0, 2)).cpu()
-        # tokens of head 0 (the per-head sums share it unless rows were non-finite)
-        n = int(D.to_host(valid[:, 0].sum()))
+        hv = torch.where(valid, h, 0.0).sum((0, 2))
+        hnv = torch.where(valid, hn, 0.0).sum((0, 2))
+        # tokens of head 0 (the per-head sums share it unless rows were non-finite); on the device until
+        # rows() reads it, as every sum here: streaming a batch makes no device sync
+        n = valid[:, 0].sum()
         bins = (hn.clamp(0, 1) * (ENTROPY_BINS - 1)).round().long()
         # one count over (head, bin) cells: the valid rows of head h land in cells h * bins ...
-        cells = (bins + ENTROPY_BINS * torch.arange(H, device=bins.device)[None, :, None])[valid].cpu()
+        cells = (bins + ENTROPY_BINS * torch.arange(H, device=bins.device)[None, :, None])[valid]
         hist = torch.bincount(cells, minlength=H * ENTROPY_BINS).reshape(H, ENTROPY_BINS).to(torch.float64)
         if st.ent_sum is None:
             st.ent_sum, st.ent_norm_sum, st.ent_hist = hv, hnv, hist
         else:
             st.ent_sum, st.ent_norm_sum, st.ent_hist = st.ent_sum + hv, st.ent_norm_sum + hnv, st.ent_hist + hist
-        st.ent_n += n
+        st.ent_n = st.ent_n + n
 
     def rows(self) -> list[dict]:
         """Tidy rows (layer, head, site, metric, value) for everything streamed so far."""
         out = _Rows(self.site, self.settings.conventions.pr)
+        self._read_counts()
         G.solve_together([acc for st in self.layers for acc in (st.q_all, st.k_all)])
         for li, st in enumerate(self.layers):
             _spectrum_rows(out, li, st)
@@ -277,18 +303,26 @@ class GeometryAccumulator:
                 sd = (st.row_std_sq_sum / st.row_n - mean**2).clamp_min(0).sqrt()
                 out.heads_and_mean(li, "logit_row_std", mean)
                 out.heads_and_mean(li, "logit_row_std_cv", sd / mean)
-        return out.rows
+        return out.finish()
+
+    def _read_counts(self) -> None:
+        """Each layer's token counts, device tensors while streaming, as Python ints: one transfer."""
+        later = D.Later()
+        for st in self.layers:
+            for name in ("ent_n", "row_n"):
+                if isinstance(getattr(st, name), torch.Tensor):
+                    later.want(getattr(st, name), lambda a, st=st, name=name: setattr(st, name, int(a)))
+        later.fetch()
 
     def spectra(self) -> dict[str, np.ndarray]:
         """Covariance eigenvalues per layer (L, H*E) and per head (L, H, E)."""
-        return {
-            "query_eigenvalues": np.stack([D.to_host(s.q_all.eigenvalues()) for s in self.layers]),
-            "key_eigenvalues": np.stack([D.to_host(s.k_all.eigenvalues()) for s in self.layers]),
-            "query_head_eigenvalues": np.stack(
-                [D.to_host(s.q_all.block_eigenvalues(s.n_q_heads)) for s in self.layers]
-            ),
-            "key_head_eigenvalues": np.stack([D.to_host(s.k_all.block_eigenvalues(s.n_k_heads)) for s in self.layers]),
+        per_layer = {
+            "query_eigenvalues": [s.q_all.eigenvalues() for s in self.layers],
+            "key_eigenvalues": [s.k_all.eigenvalues() for s in self.layers],
+            "query_head_eigenvalues": [s.q_all.block_eigenvalues(s.n_q_heads) for s in self.layers],
+            "key_head_eigenvalues": [s.k_all.block_eigenvalues(s.n_k_heads) for s in self.layers],
         }
+        return {name: D.to_host(torch.stack(layers)) for name, layers in per_layer.items()}
 
 
 def _logit_sums(q: Tensor, k: Tensor, causal: bool, convention: str) -> dict[str, Tensor]:
@@ -304,12 +338,12 @@ def _logit_sums(q: Tensor, k: Tensor, causal: bool, convention: str) -> dict[str
     # any low-rank matrix full-rank), each row centred
     ranks = G.energy_rank(G.centred_logit_singular_values(q, k, causal=False))
     return {
-        "row_std": row_std.sum(-1).cpu(),
-        "row_std_sq": (row_std**2).sum(-1).cpu(),
-        "row_n": finite[..., 0, :].sum(-1).cpu(),
-        "rank": ranks.sum(-2).cpu(),
-        "pr": G.participation_ratio_as(sv**2, convention).sum(-2).cpu(),
-        "top": sv[..., 0].sum(-2).cpu(),
+        "row_std": row_std.sum(-1),
+        "row_std_sq": (row_std**2).sum(-1),
+        "row_n": finite[..., 0, :].sum(-1),
+        "rank": ranks.sum(-2),
+        "pr": G.participation_ratio_as(sv**2, convention).sum(-2),
+        "top": sv[..., 0].sum(-2),
     }
 
 
@@ -322,11 +356,11 @@ def _summary(eigs: Tensor, n: int, convention: str = "variance") -> dict[str, Te
     return out
 
 
-def _hist_median(hist: Tensor) -> list[float]:
-    """Median of normalised entropy from (H, bins) counts (resolution 1 / (bins - 1))."""
+def _hist_median(hist: Tensor) -> Tensor:
+    """Median of normalised entropy from (H, bins) counts (resolution 1 / (bins - 1)), (H,)."""
     cdf = hist.cumsum(-1) / hist.sum(-1, keepdim=True)
     idx = (cdf < 0.5).sum(-1)
-    return D.host_list(idx.double() / (ENTROPY_BINS - 1))
+    return idx.double() / (ENTROPY_BINS - 1)
 
 
 class MeasureError(QKGeomError, ValueError):

@@ -31,20 +31,29 @@ ALPHA_METRICS = {
 
 
 def _alpha_rows(
-    layer: int, name: str, head_sv: Tensor, layer_sv: Tensor | None, site: str
-) -> list[tuple[dict, np.ndarray]]:
+    layer: int, name: str, head_sv: Tensor, layer_sv: Tensor | None, site: str, later: D.Later
+) -> list[list]:
     """alpha rows per head from its singular values (H, E) (eigenvalues of W^T W = s^2), and of the layer's
-    whole matrix from layer_sv (its singular values), each beside the spectrum to fit: the caller fits
-    them all in one batch (:func:`_fill_alphas`)."""
+    whole matrix from layer_sv (its singular values), each as [row, spectrum to fit]: the spectra are
+    read with `later` and the caller fits them all in one batch (:func:`_fill_alphas`)."""
     metric = ALPHA_METRICS[name]
-    spectra = [(h, ev) for h, ev in enumerate(D.to_host(head_sv**2))]
+    pending = [[{"layer": layer, "head": h, "site": site, "metric": metric, "value": math.nan, "note": ""}, None]
+               for h in [*range(head_sv.shape[0]), *([-1] if layer_sv is not None else [])]]  # fmt: skip
+
+    def put(entries: list[list]):
+        def fill(evs: np.ndarray) -> None:
+            for entry, ev in zip(entries, evs.reshape(len(entries), -1), strict=True):
+                entry[1] = ev
+
+        return fill
+
+    later.want(head_sv**2, put(pending[: head_sv.shape[0]]))
     if layer_sv is not None:
-        spectra.append((-1, D.to_host(layer_sv**2)))
-    return [({"layer": layer, "head": h, "site": site, "metric": metric, "value": math.nan, "note": ""}, ev)
-            for h, ev in spectra]  # fmt: skip
+        later.want(layer_sv**2, put(pending[-1:]))
+    return pending
 
 
-def _fill_alphas(pending: list[tuple[dict, np.ndarray]], convention: str) -> None:
+def _fill_alphas(pending: list[list], convention: str) -> None:
     """Each row's value the alpha of its spectrum under `convention`; its note names the convention,
     and the fit's reason where alpha is NaN."""
     fits = AL.power_law_alphas([ev for _, ev in pending], convention=convention)
@@ -73,14 +82,27 @@ def weight_geometry(
     """
     pr_convention = conventions.pr
     rows: list[dict] = []
-    alphas: list[tuple[dict, np.ndarray]] = []  # rows waiting for their alpha, fitted together at the end
+    alphas: list[list] = []  # [row, spectrum] waiting for their alpha, fitted together at the end
+    later = D.Later()  # every value this function reads from the device, read in one transfer at the end
 
     def add_alphas(li: int, name: str, head_sv: Tensor, layer_sv: Tensor | None) -> None:
-        pending = _alpha_rows(li, name, head_sv, layer_sv, site)
+        pending = _alpha_rows(li, name, head_sv, layer_sv, site, later)
         rows.extend(row for row, _ in pending)
         alphas.extend(pending)
 
-    sq, sk, sqk = [], [], []
+    def add_rows(li: int, metric: str, per_head: Tensor, extra: dict) -> None:
+        """One row per head and the layer's mean (head -1), their values read with `later`."""
+        first = len(rows)
+        rows.extend({"layer": li, "head": h, "site": site, "metric": metric, "value": math.nan} | extra
+                    for h in [*range(len(per_head)), -1])  # fmt: skip
+
+        def fill(values: np.ndarray) -> None:
+            for i, v in enumerate(values.tolist()):
+                rows[first + i]["value"] = float(v)
+
+        later.want(torch.cat([per_head.reshape(-1), per_head.mean().reshape(1)]), fill)
+
+    kept: dict[str, list] = {"W_Q_singular_values": [], "W_K_singular_values": [], "W_QK_singular_values": []}
     given = {"W_Q": w_q, "W_K": w_k} | {n: ws for n, ws in (("W_V", w_v), ("W_O", w_o)) if ws is not None}
     per_layer = [dict(zip(given, ws, strict=True)) for ws in zip(*given.values(), strict=True)]
     mats = [m for layer in per_layer for w in layer.values() for m in (w, _whole(w))]
@@ -98,13 +120,8 @@ def weight_geometry(
             "interaction_spectral_norm": sv_qk[:, 0],
             "interaction_energy_rank90": G.energy_rank(sv_qk),  # beside the data's logit_energy_rank90
         }
-        per_head = [D.host_list(v) for v in metrics.values()]  # query and key heads differ in number (GQA)
-        means = D.host_list(torch.stack([v.mean() for v in metrics.values()]))  # each mean as before
-        for name, vals, mean in zip(metrics, per_head, means, strict=True):
-            extra = {"note": G.pr_note(pr_convention)} if G.is_pr_metric(name) else {}
-            for h, v in enumerate(vals):
-                rows.append({"layer": li, "head": h, "site": site, "metric": name, "value": float(v)} | extra)
-            rows.append({"layer": li, "head": -1, "site": site, "metric": name, "value": float(mean)} | extra)
+        for name, per_head in metrics.items():  # query and key heads may differ in number (GQA)
+            add_rows(li, name, per_head, {"note": G.pr_note(pr_convention)} if G.is_pr_metric(name) else {})
         add_alphas(li, "W_Q", sv_q, svs[li]["W_Q"][1])
         add_alphas(li, "W_K", sv_k, svs[li]["W_K"][1])
         add_alphas(li, "W_QK", sv_qk, None)
@@ -113,21 +130,13 @@ def weight_geometry(
                 sv, whole = svs[li][name]
                 pr = G.participation_ratio_as(sv**2, pr_convention)
                 metric = ALPHA_METRICS[name].replace("alpha", "participation_ratio")
-                note = {"note": G.pr_note(pr_convention)}
-                rows += [{"layer": li, "head": h, "site": site, "metric": metric, "value": float(v)} | note
-                         for h, v in enumerate(D.host_list(pr))]  # fmt: skip
-                rows.append(
-                    {"layer": li, "head": -1, "site": site, "metric": metric, "value": D.host_float(pr.mean())} | note
-                )
+                add_rows(li, metric, pr, {"note": G.pr_note(pr_convention)})
                 add_alphas(li, name, sv, whole)
-        for kept, sv in ((sq, sv_q), (sk, sv_k), (sqk, sv_qk)):
-            kept.append(D.to_host(sv))
+        for key, sv in zip(kept, (sv_q, sv_k, sv_qk), strict=True):
+            kept[key].append(sv)
+    spectra = {key: D.to_host(torch.stack(svs_of)) for key, svs_of in kept.items()}
+    later.fetch()
     _fill_alphas(alphas, conventions.alpha)
-    spectra = {
-        "W_Q_singular_values": np.stack(sq),
-        "W_K_singular_values": np.stack(sk),
-        "W_QK_singular_values": np.stack(sqk),
-    }
     return rows, spectra
 
 

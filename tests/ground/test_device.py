@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
@@ -169,6 +170,58 @@ def test_to_host_keeps_dtype_and_values():
     t = torch.tensor([1.0, 2.0 / 3.0], dtype=torch.float64)
     out = D.to_host(t)
     assert out.dtype == np.float64 and out[1] == 2.0 / 3.0
+
+
+def test_later_reads_everything_in_one_transfer_per_dtype():
+    """D.Later: each queued tensor comes back as to_host gives it (dtype, shape, values, 0-d included),
+    in one copy per device and dtype, whatever the number of tensors queued."""
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(3, 4, generator=g, dtype=torch.float64), torch.tensor(2.0 / 3.0, dtype=torch.float64),
+          torch.randn(5, generator=g), torch.arange(6).reshape(2, 3), torch.randn(2, 2, generator=g)]  # fmt: skip
+    got: dict[int, np.ndarray] = {}
+    later = D.Later()
+    for i, t in enumerate(ts):
+        later.want(t, lambda a, i=i: got.__setitem__(i, a))
+    copies = []
+
+    class Count(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if getattr(func, "__name__", "") == "cpu":
+                copies.append(args[0].dtype)
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        later.fetch()
+    assert sorted(map(str, copies)) == ["torch.float32", "torch.float64", "torch.int64"]  # 5 tensors, 3 copies
+    for i, t in enumerate(ts):
+        want = D.to_host(t)
+        assert got[i].dtype == want.dtype and got[i].shape == want.shape and np.array_equal(got[i], want)
+    later.fetch()  # the queue is empty once read: nothing is read twice
+    assert len(copies) == 3
+
+
+def test_streaming_a_layer_reads_nothing_from_the_device():
+    """GeometryAccumulator.update_layer (what the probe runs as the forward reaches each layer) keeps its
+    sums on the model's device: covariances and entropy make no conversion, copy to the host or bool of
+    a tensor by qkgeom code, even through the door (on a GPU each would stall the forward); the logit
+    spectrum copies only inside the solve door (its solves run on the host). The reads wait for
+    rows(), which gives measure()'s rows for the same batch."""
+    from qkgeom.probing.probe import GeometryAccumulator, measure
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(3, 4, 16, 8, generator=g), torch.randn(3, 4, 16, 8, generator=g)
+    pattern = (q @ k.transpose(-1, -2)).masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), -torch.inf)
+    pattern = pattern.softmax(-1)
+    support = torch.arange(1, 17).expand(3, 16)
+    with DoorGuard(CONVERSIONS | {"cpu", "__bool__"}, lambda: False, "rows()"):
+        GeometryAccumulator(logit_spectrum=False).update_layer(0, q, k, pattern, support)
+    acc = GeometryAccumulator()
+    with DoorGuard(CONVERSIONS | {"cpu"}, S.solving, "qkgeom.solves.host"):
+        acc.update_layer(0, q, k, pattern, support)
+    streamed = pd.DataFrame(acc.rows()).set_index(["layer", "head", "metric"])["value"].sort_index()
+    whole = measure([q], [k], [pattern]).set_index(["layer", "head", "metric"])["value"].sort_index()
+    assert len(streamed) == 100 and streamed.index.equals(whole.index)
+    np.testing.assert_array_equal(streamed.to_numpy(), whole.to_numpy())
 
 
 def test_the_probe_callback_path_converts_only_through_the_door(tmp_path):
