@@ -7,6 +7,7 @@ Prints the largest |qkgeom `weightwatcher` alpha - WeightWatcher's| (expected ~1
 `clauset` convention lies from WeightWatcher's where both fit.
 """
 
+import argparse
 import logging
 
 import numpy as np
@@ -57,4 +58,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -16,6 +16,7 @@ Runs against whatever qkgeom is importable (a tree without qkgeom.solves counts 
 left on the device), so `PYTHONPATH=OTHER_TREE python bench/probe_syncs.py before` gives the before.
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -69,20 +70,27 @@ def counted(name, real):
     return f
 
 
-D.to_host = counted("transfers", D.to_host)
-if S is not None:
-    S.round_trip = counted("round_trips", S.round_trip)
-cfg = C.load("paper", ["model.d_model=768", "model.n_layers=12", "model.n_heads=12", "model.n_ctx=64"])
-torch.manual_seed(0)
-m = GPT(cfg.model, 284).eval()
-idx = torch.randint(0, 284, (4, 64))
-with torch.no_grad(), Count():
-    P.probe_gpt(m, idx, C.ProbeSettings(logit_seqs=4))
-label = sys.argv[1] if len(sys.argv) > 1 else "now"
-print(f"{label}: one probe at GPT-2-small width (12 layers x 12 heads), as a GPU would see it")
-print(f"  host transfers (qkgeom.device.to_host)             {n['transfers']:>6}")
-print(f"  direct copies (tensor.cpu() outside the door)      {n['copies']:>6}")
-print(f"  solve round trips (qkgeom.solves.host)             {n['round_trips']:>6}")
-print(f"  implicit syncs (bool of a tensor, outside the door) {n['bool']:>5}")
-print(f"  decompositions left on the device: calls           {n['device_calls']:>6}")
-print(f"    matrices over 32 x 32 in them (sequential on CUDA) {n['device_matrices']:>4}")
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("label", nargs="?", default="now", help="what the printed counts are of (e.g. before, after)")
+    label = ap.parse_args().label
+    D.to_host = counted("transfers", D.to_host)
+    if S is not None:
+        S.round_trip = counted("round_trips", S.round_trip)
+    cfg = C.load("paper", ["model.d_model=768", "model.n_layers=12", "model.n_heads=12", "model.n_ctx=64"])
+    torch.manual_seed(0)
+    m = GPT(cfg.model, 284).eval()
+    idx = torch.randint(0, 284, (4, 64))
+    with torch.no_grad(), Count():
+        P.probe_gpt(m, idx, C.ProbeSettings(logit_seqs=4))
+    print(f"{label}: one probe at GPT-2-small width (12 layers x 12 heads), as a GPU would see it")
+    print(f"  host transfers (qkgeom.device.to_host)             {n['transfers']:>6}")
+    print(f"  direct copies (tensor.cpu() outside the door)      {n['copies']:>6}")
+    print(f"  solve round trips (qkgeom.solves.host)             {n['round_trips']:>6}")
+    print(f"  implicit syncs (bool of a tensor, outside the door) {n['bool']:>5}")
+    print(f"  decompositions left on the device: calls           {n['device_calls']:>6}")
+    print(f"    matrices over 32 x 32 in them (sequential on CUDA) {n['device_matrices']:>4}")
+
+
+if __name__ == "__main__":
+    main()
