@@ -191,6 +191,23 @@ def solve_together(accs: list[CovarianceAccumulator]) -> None:
             acc._eig = e
 
 
+def solve_blocks_together(wanted: list[tuple[CovarianceAccumulator, int]]) -> None:
+    """Fill the block-eigenvalue caches of many (accumulator, n_blocks) with one batched solve per block
+    size: every layer's per-head covariance blocks in one round trip to the host (on a GPU, one sync
+    instead of one per layer and side); `block_eigenvalues()` is this for one. Each matrix's values are
+    its own solve's (robust_eigvalsh falls back matrix by matrix), so batching changes none of them."""
+    groups: dict[tuple[int, ...], list[tuple[CovarianceAccumulator, int, Tensor]]] = {}
+    for acc, n_blocks in wanted:
+        if n_blocks not in acc._block_eig:
+            blocks = acc.block_covariances(n_blocks)
+            groups.setdefault(tuple(blocks.shape[1:]), []).append((acc, n_blocks, blocks))
+    for group in groups.values():
+        ev = robust_eigvalsh(torch.cat([b for _, _, b in group]), what="per-head covariance eigenvalues")
+        ev = ev.flip(-1).clamp_min(0)
+        for (acc, n_blocks, _), e in zip(group, ev.split([b.shape[0] for _, _, b in group]), strict=True):
+            acc._block_eig[n_blocks] = e
+
+
 def covariance_eigenvalues(x: Tensor) -> Tensor:
     """Eigenvalues (descending, >= 0) of the centered covariance of rows of x; (..., n, d) -> (..., d)."""
     acc = CovarianceAccumulator()
@@ -278,8 +295,7 @@ class CovarianceAccumulator:
         covariance of x_h, so per-head spectra come from the layer's accumulator at no extra pass.
         """
         if n_blocks not in self._block_eig:
-            ev = robust_eigvalsh(self.block_covariances(n_blocks), what="per-head covariance eigenvalues")
-            self._block_eig[n_blocks] = ev.flip(-1).clamp_min(0)
+            solve_blocks_together([(self, n_blocks)])
         return self._block_eig[n_blocks]
 
 

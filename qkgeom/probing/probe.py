@@ -273,6 +273,8 @@ class GeometryAccumulator:
         out = _Rows(self.site, self.settings.conventions.pr)
         self._read_counts()
         G.solve_together([acc for st in self.layers for acc in (st.q_all, st.k_all)])
+        G.solve_blocks_together([(st.q_all, st.n_q_heads) for st in self.layers]
+                                + [(st.k_all, st.n_k_heads) for st in self.layers])  # fmt: skip
         for li, st in enumerate(self.layers):
             _spectrum_rows(out, li, st)
             if st.ent_sum is not None and st.ent_n:

@@ -271,6 +271,47 @@ def test_solve_together_fills_the_same_eigenvalues_as_one_by_one():
         assert acc._eig is not None and torch.allclose(acc.eigenvalues(), r, rtol=1e-12, atol=1e-14)
 
 
+def test_solve_blocks_together_is_one_round_trip_a_block_size_with_each_matrix_its_own_values(monkeypatch):
+    """Per-head blocks of 4 layers (two of 3 heads x 8, one of 2 heads x 8, one of 4 heads x 5): one
+    round trip to the host for each block size (2, not 4), every cache equal bit for bit to that
+    accumulator's own block_eigenvalues, and a failing matrix (NaN) costs only its own values."""
+    from qkgeom import solves as S
+
+    g = torch.Generator().manual_seed(2)
+    shapes = [(3, 8), (3, 8), (2, 8), (4, 5)]
+    accs, alone = [], []
+    for heads, e in shapes:
+        x = torch.randn(50, heads * e, generator=g, dtype=torch.float64)
+        pair = [G.CovarianceAccumulator(), G.CovarianceAccumulator()]
+        for acc in pair:
+            acc.update(x)
+        accs.append(pair[0])
+        alone.append(pair[1].block_eigenvalues(heads))  # solved on its own
+    trips = []
+    real = S.round_trip
+    monkeypatch.setattr(S, "round_trip", lambda *a, **k: trips.append(1) or real(*a, **k))
+    G.solve_blocks_together([(acc, heads) for acc, (heads, _) in zip(accs, shapes, strict=True)])
+    assert len(trips) == 2
+    for acc, (heads, _), ref in zip(accs, shapes, alone, strict=True):
+        assert torch.equal(acc._block_eig[heads], ref)
+    bad = G.CovarianceAccumulator()
+    bad.update(torch.full((50, 24), math.nan, dtype=torch.float64))
+    fresh = G.CovarianceAccumulator()
+    fresh.update(torch.randn(50, 24, generator=g, dtype=torch.float64))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        G.solve_blocks_together([(bad, 3), (fresh, 3)])
+    assert torch.isnan(bad._block_eig[3]).all()
+    assert torch.equal(fresh._block_eig[3], G.CovarianceAccumulator.block_eigenvalues(_copy(fresh), 3))
+
+
+def _copy(acc: G.CovarianceAccumulator) -> G.CovarianceAccumulator:
+    """The same accumulator's state with empty caches."""
+    out = G.CovarianceAccumulator()
+    out.n, out.mean, out.m2 = acc.n, acc.mean, acc.m2
+    return out
+
+
 def test_power_law_alpha_equals_the_powerlaw_package():
     """`clauset`: the same fit as powerlaw 2.0.0 without xmax (the field's reference), with its alpha
     range opened to (1, inf) as WeightWatcher reads it: alpha, xmin, tail and KS equal."""
