@@ -6,7 +6,8 @@ launch and an error check that waits for the device; SVDs and QR likewise. One p
 width solves 3,024 such matrices (64 x 64 head covariances and weight Grams, 256 x 256 logit Grams,
 768 x 768 layer covariances and weight Grams; bench/probe_syncs.py counts them): issue 53 measured
 ~10 s a probe on an H200, where ten training steps take ~0.3 s. A CPU solves the same batch with
-LAPACK in milliseconds per matrix, split over its threads (probing.geometry.batched_eigvalsh).
+LAPACK in milliseconds per matrix, split over its threads (probing.geometry.batched_eigvalsh, on the
+one pool below: `thread_map`, with `one_thread` LAPACK thread per chunk).
 
 So every eigendecomposition, SVD, QR and Cholesky factorisation qkgeom makes runs inside `host`: its
 tensor arguments are copied to the CPU once, the routine runs there (its fallbacks and finiteness
@@ -21,7 +22,9 @@ made by qkgeom outside this door (its SolveGuard).
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any, TypeVar
 
@@ -87,3 +90,32 @@ eigvalsh = host(torch.linalg.eigvalsh)
 svd = host(torch.linalg.svd)
 svdvals = host(torch.linalg.svdvals)
 qr = host(torch.linalg.qr)
+
+
+T, R = TypeVar("T"), TypeVar("R")
+_POOL: ThreadPoolExecutor | None = None
+_POOL_SIZE = 0
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block with one torch (MKL/OpenMP) thread, then restore the count (for work that is
+    itself spread over threads, so the two do not oversubscribe the cores)."""
+    k = torch.get_num_threads()
+    if k == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(k)
+
+
+def thread_map(fn: Callable[[T], R], items: Iterable[T], k: int) -> list[R]:
+    """[fn(x) for x in items] over one persistent pool of `k` threads (made again only when k changes):
+    for work that releases the GIL (LAPACK, NumPy). Called from the main thread, never from the pool."""
+    global _POOL, _POOL_SIZE
+    if _POOL is None or _POOL_SIZE != k:  # our own record of its size: no private attribute needed
+        _POOL, _POOL_SIZE = ThreadPoolExecutor(k, thread_name_prefix="qkgeom-pool"), k
+    return list(_POOL.map(fn, items))

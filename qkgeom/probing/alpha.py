@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from qkgeom.config import ALPHA_CONVENTIONS
-from qkgeom.probing.geometry import thread_map
+from qkgeom.solves import thread_map
 
 Tensor = torch.Tensor
 

@@ -17,10 +17,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from typing import TypeVar
 
 import torch
 
@@ -32,35 +28,6 @@ Tensor = torch.Tensor
 
 class NumericalWarning(UserWarning):
     """A solve fell back to a slower route, or gave NaN; the message names the solve."""
-
-
-T, R = TypeVar("T"), TypeVar("R")
-_POOL: ThreadPoolExecutor | None = None
-_POOL_SIZE = 0
-
-
-@contextmanager
-def one_thread() -> Iterator[None]:
-    """Run the block with one torch (MKL/OpenMP) thread, then restore the count (for work that is
-    itself spread over threads, so the two do not oversubscribe the cores)."""
-    k = torch.get_num_threads()
-    if k == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(k)
-
-
-def thread_map(fn: Callable[[T], R], items: Iterable[T], k: int) -> list[R]:
-    """[fn(x) for x in items] over one persistent pool of `k` threads (made again only when k changes):
-    for work that releases the GIL (LAPACK, NumPy). Called from the main thread, never from the pool."""
-    global _POOL, _POOL_SIZE
-    if _POOL is None or _POOL_SIZE != k:  # our own record of its size: no private attribute needed
-        _POOL, _POOL_SIZE = ThreadPoolExecutor(k, thread_name_prefix="qkgeom-pool"), k
-    return list(_POOL.map(fn, items))
 
 
 def batched_eigvalsh(mat: Tensor) -> Tensor:
@@ -76,8 +43,8 @@ def batched_eigvalsh(mat: Tensor) -> Tensor:
     n = mat.shape[-1]
     if k < 2 or flat.shape[0] < 2 * k or flat.shape[0] * n**3 < 2**24 or mat.device.type != "cpu":  # ~5 ms
         return torch.linalg.eigvalsh(mat)
-    with one_thread():  # one LAPACK thread per chunk: k chunks side by side
-        parts = thread_map(torch.linalg.eigvalsh, flat.chunk(k), k)
+    with S.one_thread():  # one LAPACK thread per chunk: k chunks side by side
+        parts = S.thread_map(torch.linalg.eigvalsh, flat.chunk(k), k)
     return torch.cat(parts).reshape(mat.shape[:-1])
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from qkgeom import solves as S
 from qkgeom.probing import alpha as AL
 from qkgeom.probing import geometry as G
 
@@ -251,7 +252,7 @@ def test_batched_eigvalsh_and_alpha_fits_run_their_chunks_side_by_side(monkeypat
         monkeypatch.setattr(torch.linalg, "eigvalsh", waiting)
         out = G.batched_eigvalsh(mats)
         monkeypatch.undo()
-        seen = G.thread_map(lambda _: barrier.wait(), range(3), 3)  # the pool alpha's KS grid uses
+        seen = S.thread_map(lambda _: barrier.wait(), range(3), 3)  # the pool alpha's KS grid uses
         torch.set_num_threads(1)
         alone = solve(mats)  # one LAPACK thread, as each chunk is solved
     finally:
@@ -275,8 +276,6 @@ def test_solve_blocks_together_is_one_round_trip_a_block_size_with_each_matrix_i
     """Per-head blocks of 4 layers (two of 3 heads x 8, one of 2 heads x 8, one of 4 heads x 5): one
     round trip to the host for each block size (2, not 4), every cache equal bit for bit to that
     accumulator's own block_eigenvalues, and a failing matrix (NaN) costs only its own values."""
-    from qkgeom import solves as S
-
     g = torch.Generator().manual_seed(2)
     shapes = [(3, 8), (3, 8), (2, 8), (4, 5)]
     accs, alone = [], []
