@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
 
@@ -142,37 +143,34 @@ def spectrum_summary(eigs: Tensor, convention: str = "variance") -> dict[str, Te
     }
 
 
+def _solve_by_size(todo: list[tuple[Tensor, Callable[[Tensor], None]]], what: str) -> None:
+    """For each (matrices (m, ..., n, n), put): put(their eigenvalues, descending and >= 0), all matrices
+    of one size solved in one batch (one round trip to the host). Each matrix's values are its own
+    solve's (robust_eigvalsh falls back matrix by matrix), so batching changes none of them."""
+    groups: dict[tuple[int, ...], list[tuple[Tensor, Callable[[Tensor], None]]]] = {}
+    for mats, put in todo:
+        groups.setdefault(tuple(mats.shape[1:]), []).append((mats, put))
+    for group in groups.values():
+        ev = robust_eigvalsh(torch.cat([m for m, _ in group]), what=what).flip(-1).clamp_min(0)
+        for (_, put), e in zip(group, ev.split([m.shape[0] for m, _ in group]), strict=True):
+            put(e)
+
+
 def solve_together(accs: list[CovarianceAccumulator]) -> None:
     """Fill the eigenvalue caches of many accumulators with one batched solve per matrix size (a
     30-layer model's layer covariances: one call that `batched_eigvalsh` can split over threads,
     instead of 30 single solves on one core); `eigenvalues()` is this for one accumulator."""
-    groups: dict[tuple[int, ...], list[tuple[CovarianceAccumulator, Tensor]]] = {}
-    for acc in accs:
-        if acc._eig is None:
-            cov = acc.covariance()  # raises for an accumulator that has seen no rows
-            groups.setdefault(tuple(cov.shape), []).append((acc, cov))
-    for group in groups.values():
-        stacked = torch.stack([cov for _, cov in group])
-        ev = robust_eigvalsh(stacked, what="covariance eigenvalues").flip(-1).clamp_min(0)
-        for (acc, _), e in zip(group, ev, strict=True):
-            acc._eig = e
+    todo = [(acc.covariance()[None], lambda e, acc=acc: setattr(acc, "_eig", e[0])) for acc in accs if acc._eig is None]
+    _solve_by_size(todo, "covariance eigenvalues")  # covariance() raises for an accumulator with no rows
 
 
 def solve_blocks_together(wanted: list[tuple[CovarianceAccumulator, int]]) -> None:
     """Fill the block-eigenvalue caches of many (accumulator, n_blocks) with one batched solve per block
     size: every layer's per-head covariance blocks in one round trip to the host (on a GPU, one sync
-    instead of one per layer and side); `block_eigenvalues()` is this for one. Each matrix's values are
-    its own solve's (robust_eigvalsh falls back matrix by matrix), so batching changes none of them."""
-    groups: dict[tuple[int, ...], list[tuple[CovarianceAccumulator, int, Tensor]]] = {}
-    for acc, n_blocks in wanted:
-        if n_blocks not in acc._block_eig:
-            blocks = acc.block_covariances(n_blocks)
-            groups.setdefault(tuple(blocks.shape[1:]), []).append((acc, n_blocks, blocks))
-    for group in groups.values():
-        ev = robust_eigvalsh(torch.cat([b for _, _, b in group]), what="per-head covariance eigenvalues")
-        ev = ev.flip(-1).clamp_min(0)
-        for (acc, n_blocks, _), e in zip(group, ev.split([b.shape[0] for _, _, b in group]), strict=True):
-            acc._block_eig[n_blocks] = e
+    instead of one per layer and side); `block_eigenvalues()` is this for one."""
+    todo = [(acc.block_covariances(n), lambda e, acc=acc, n=n: acc._block_eig.__setitem__(n, e))
+            for acc, n in wanted if n not in acc._block_eig]  # fmt: skip
+    _solve_by_size(todo, "per-head covariance eigenvalues")
 
 
 def covariance_eigenvalues(x: Tensor) -> Tensor:
