@@ -13,6 +13,7 @@ what it has.
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -69,6 +70,13 @@ class Later:
 
     def want(self, t: torch.Tensor, put: Callable[[np.ndarray], None]) -> None:
         self._queue.append((t.detach(), put))
+
+    def want_all(self, tensors: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
+        """Queue each tensor; the dict returned holds their arrays, by the same keys, once fetch() ran."""
+        out: dict[str, np.ndarray] = {}
+        for key, t in tensors.items():
+            self.want(t, functools.partial(out.__setitem__, key))
+        return out
 
     def fetch(self) -> None:
         import numpy as np

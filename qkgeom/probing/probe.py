@@ -324,7 +324,10 @@ class GeometryAccumulator:
             "query_head_eigenvalues": [s.q_all.block_eigenvalues(s.n_q_heads) for s in self.layers],
             "key_head_eigenvalues": [s.k_all.block_eigenvalues(s.n_k_heads) for s in self.layers],
         }
-        return {name: D.to_host(torch.stack(layers)) for name, layers in per_layer.items()}
+        later = D.Later()
+        spectra = later.want_all({name: torch.stack(layers) for name, layers in per_layer.items()})
+        later.fetch()
+        return spectra
 
 
 def _logit_sums(q: Tensor, k: Tensor, causal: bool, convention: str) -> dict[str, Tensor]:

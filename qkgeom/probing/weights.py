@@ -134,7 +134,7 @@ def weight_geometry(
                 add_alphas(li, name, sv, whole)
         for key, sv in zip(kept, (sv_q, sv_k, sv_qk), strict=True):
             kept[key].append(sv)
-    spectra = {key: D.to_host(torch.stack(svs_of)) for key, svs_of in kept.items()}
+    spectra = later.want_all({key: torch.stack(svs_of) for key, svs_of in kept.items()})
     later.fetch()
     _fill_alphas(alphas, conventions.alpha)
     return rows, spectra

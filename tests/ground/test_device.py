@@ -198,6 +198,10 @@ def test_later_reads_everything_in_one_transfer_per_dtype():
         assert got[i].dtype == want.dtype and got[i].shape == want.shape and np.array_equal(got[i], want)
     later.fetch()  # the queue is empty once read: nothing is read twice
     assert len(copies) == 3
+    by_name = later.want_all({"first": ts[0], "ids": ts[3]})  # a dict that fills at fetch
+    assert by_name == {}
+    later.fetch()
+    assert list(by_name) == ["first", "ids"] and np.array_equal(by_name["ids"], D.to_host(ts[3]))
 
 
 def test_streaming_a_layer_reads_nothing_from_the_device():
