@@ -308,7 +308,8 @@ def step_profile(cfg: C.RunConfig, step, steps: int, out: Path | None) -> tuple[
 
     kinds: dict[str, float] = {}
     for e in events:
-        kinds[kernel_kind(e.key)] = kinds.get(kernel_kind(e.key), 0.0) + own_ms(e) / steps
+        kind = kernel_kind(e.key)
+        kinds[kind] = kinds.get(kind, 0.0) + own_ms(e) / steps
     if out is not None:
         sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
         out.write_text(events.table(sort_by=sort, row_limit=25, max_name_column_width=90) + "\n")

@@ -2,8 +2,8 @@
 the counts do not depend on it) would ask of a GPU, counted on any machine:
 
 - host transfers: reads through qkgeom.device.to_host (each a device sync);
-- direct copies: `tensor.cpu()` made by qkgeom code outside that door (each a device sync too: the
-  accumulator keeps some per-batch sums on the host);
+- direct copies: `tensor.cpu()` made by qkgeom code outside that door (each a device sync too; the
+  accumulator once moved its per-batch sums to the host this way);
 - solve round trips: decompositions sent to the host through qkgeom.solves.host (one sync each);
 - implicit syncs: `bool(tensor)` made by qkgeom code outside the solve door (an `if` on a device value);
 - decompositions left on the device: torch.linalg eigh/eigvalsh/svd/svdvals/qr/cholesky calls made
