@@ -21,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 
+from qkgeom import device as D
 from qkgeom import solves as S
 from qkgeom.config import PR_CONVENTIONS
 
@@ -320,29 +321,39 @@ def triangular_factor(w: Tensor) -> tuple[Tensor | None, Tensor]:
     conditioned (cond(R) < 1e6, so the Gram's 1e12 leaves float64 ~4 safe digits), else from QR.
     The Gram route is ~5x cheaper than batched QR (9 heads of 576 x 64: 0.8 vs 3.8 ms, 1 thread). The
     Gram is formed on w's device, factorised on the host (qkgeom.solves)."""
-    r = _gram_factor(w.transpose(-1, -2) @ w)
-    return (None, r) if r is not None else S.qr(w)
+    r, bad = _gram_factors(w.transpose(-1, -2) @ w)
+    return (None, r) if not bad else S.qr(w)
+
+
+def triangular_r(w: Tensor) -> Tensor:
+    """R of :func:`triangular_factor`, its route chosen matrix by matrix (QR only for those the Gram's cannot
+    factor well), so no matrix's R depends on its batch: many layers go in one round trip."""
+    if w.shape[-2] < w.shape[-1]:  # the Gram is singular: every matrix takes QR
+        return S.qr(w)[1]
+    r, bad = _gram_factors(w.transpose(-1, -2) @ w)
+    if bad:
+        flat = r.reshape(-1, *r.shape[-2:]).clone()
+        flat[bad] = S.qr(w.reshape(-1, *w.shape[-2:])[bad])[1]
+        r = flat.reshape(r.shape)
+    return r
 
 
 @S.host
-def _gram_factor(gram: Tensor) -> Tensor | None:
-    """The upper triangular R with R^T R = gram (..., E, E), or None unless every factor is well
-    conditioned (see triangular_factor)."""
+def _gram_factors(gram: Tensor) -> tuple[Tensor, list[int]]:
+    """R with R^T R = gram (..., E, E), upper triangular, and the flat indices of the matrices whose R is
+    not well conditioned (see triangular_factor): a list read on the host, no device sync."""
     low, info = torch.linalg.cholesky_ex(gram)
     diag = low.diagonal(dim1=-2, dim2=-1)
-    if bool((info == 0).all()) and bool((diag.amin(-1) > 1e-6 * diag.amax(-1)).all()):
-        return low.transpose(-1, -2)
-    return None
+    ok = (info == 0) & (diag.amin(-1) > 1e-6 * diag.amax(-1))
+    return low.transpose(-1, -2), D.host_list((~ok).reshape(-1).nonzero().reshape(-1))
 
 
 def interaction_singular_values(w_q: Tensor, w_k: Tensor) -> Tensor:
-    """Singular values of W_Q W_K^T for W_Q, W_K of shape (..., d_model, d_head) -> (..., d_head).
-
-    Computed through the triangular factors (W = U R), since svd(W_Q W_K^T) = svd(R_Q R_K^T);
-    exact, and d_head x d_head instead of d_model x d_model.
-    """
-    _, r_q = triangular_factor(w_q.detach().to(torch.float64))
-    _, r_k = triangular_factor(w_k.detach().to(torch.float64))
+    """Singular values of W_Q W_K^T for W_Q, W_K of shape (..., d_model, d_head) -> (..., d_head), exact,
+    from the triangular factors (svd(W_Q W_K^T) = svd(R_Q R_K^T), d_head square): each matrix's values
+    its own (triangular_r), so many layers can be stacked into one call."""
+    r_q = triangular_r(w_q.detach().to(torch.float64))
+    r_k = triangular_r(w_k.detach().to(torch.float64))
     return singular_values(r_q @ r_k.transpose(-1, -2))
 
 
@@ -408,14 +419,17 @@ def centred_logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> 
     Without the causal mask the centred matrix is low-rank: each row minus its mean over all keys is
     q_i . (k_j - mean k) / sqrt(d_head), i.e. Q K_c^T with K_c the keys centred over positions, so its
     singular values are those of R_Q R_Kc^T (triangular factors, min(T, d_head) square), padded with
-    zeros to T: exact, in float64, and d_head^3 instead of T^3 work (the probe's costliest solve)."""
-    if not causal and bool(torch.isfinite(q).all() & torch.isfinite(k).all()):  # one device sync
-        qd = q.detach().to(torch.float64)
-        kc = k.detach().to(torch.float64)
+    zeros to T: exact, in float64, and d_head^3 instead of T^3 work (the probe's costliest solve). A
+    matrix with a non-finite q or k gets NaN, the others their own values (no device sync to decide)."""
+    if not causal:
+        qd, kc = q.detach().to(torch.float64), k.detach().to(torch.float64)
+        finite = torch.isfinite(qd).all(-1).all(-1) & torch.isfinite(kc).all(-1).all(-1)  # (...,) per matrix
+        qd = torch.where(finite[..., None, None], qd, 0.0)
+        kc = torch.where(finite[..., None, None], kc, 0.0)
         kc = kc - kc.mean(-2, keepdim=True)
         sv = interaction_singular_values(qd, kc) / math.sqrt(q.shape[-1])  # (..., min(T, E))
-        pad = q.shape[-2] - sv.shape[-1]
-        return torch.nn.functional.pad(sv, (0, pad)) if pad > 0 else sv
+        sv = torch.nn.functional.pad(sv, (0, q.shape[-2] - sv.shape[-1]))  # zeros up to T
+        return torch.where(finite[..., None], sv, math.nan)
     scores, visible = visible_scores(q, k, causal)
     work = scores.dtype
     zero = torch.zeros((), dtype=work, device=scores.device)

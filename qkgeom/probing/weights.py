@@ -15,6 +15,7 @@ from qkgeom import device as D
 from qkgeom.config import DEFAULT_CONVENTIONS, Conventions
 from qkgeom.probing import alpha as AL
 from qkgeom.probing import geometry as G
+from qkgeom.probing.rows import Rows
 
 Tensor = torch.Tensor
 
@@ -81,26 +82,13 @@ def weight_geometry(
     PRs and alphas under `conventions`; each such row's note names its convention.
     """
     pr_convention = conventions.pr
-    rows: list[dict] = []
+    out = Rows(site, pr_convention)  # every value this function reads from the device, read in one transfer
     alphas: list[list] = []  # [row, spectrum] waiting for their alpha, fitted together at the end
-    later = D.Later()  # every value this function reads from the device, read in one transfer at the end
 
     def add_alphas(li: int, name: str, head_sv: Tensor, layer_sv: Tensor | None) -> None:
-        pending = _alpha_rows(li, name, head_sv, layer_sv, site, later)
-        rows.extend(row for row, _ in pending)
+        pending = _alpha_rows(li, name, head_sv, layer_sv, site, out.later)
+        out.rows.extend(row for row, _ in pending)
         alphas.extend(pending)
-
-    def add_rows(li: int, metric: str, per_head: Tensor, extra: dict) -> None:
-        """One row per head and the layer's mean (head -1), their values read with `later`."""
-        first = len(rows)
-        rows.extend({"layer": li, "head": h, "site": site, "metric": metric, "value": math.nan} | extra
-                    for h in [*range(len(per_head)), -1])  # fmt: skip
-
-        def fill(values: np.ndarray) -> None:
-            for i, v in enumerate(values.tolist()):
-                rows[first + i]["value"] = float(v)
-
-        later.want(torch.cat([per_head.reshape(-1), per_head.mean().reshape(1)]), fill)
 
     kept: dict[str, list] = {"W_Q_singular_values": [], "W_K_singular_values": [], "W_QK_singular_values": []}
     given = {"W_Q": w_q, "W_K": w_k} | {n: ws for n, ws in (("W_V", w_v), ("W_O", w_o)) if ws is not None}
@@ -108,10 +96,10 @@ def weight_geometry(
     mats = [m for layer in per_layer for w in layer.values() for m in (w, _whole(w))]
     solved = iter(_spectra_of(mats))  # every layer's per-head and whole matrices, solved together
     svs = [{name: (next(solved), next(solved)) for name in layer} for layer in per_layer]
-    for li, (wq, wk) in enumerate(zip(w_q, w_k, strict=True)):
-        group = wq.shape[0] // wk.shape[0]
-        sv_q, sv_k = svs[li]["W_Q"][0], svs[li]["W_K"][0]  # (H, E)
-        sv_qk = G.interaction_singular_values(wq, wk.repeat_interleave(group, dim=0))
+    keys = [wk.repeat_interleave(wq.shape[0] // wk.shape[0], dim=0) for wq, wk in zip(w_q, w_k, strict=True)]
+    interactions = _solved_in_chunks(G.interaction_singular_values, w_q, keys)  # every layer's, together
+    for li in range(len(w_q)):
+        sv_q, sv_k, sv_qk = svs[li]["W_Q"][0], svs[li]["W_K"][0], interactions[li]  # (H, E)
         metrics = {
             "query_weight_participation_ratio": G.participation_ratio_as(sv_q**2, pr_convention),
             "key_weight_participation_ratio": G.participation_ratio_as(sv_k**2, pr_convention),
@@ -121,7 +109,7 @@ def weight_geometry(
             "interaction_energy_rank90": G.energy_rank(sv_qk),  # beside the data's logit_energy_rank90
         }
         for name, per_head in metrics.items():  # query and key heads may differ in number (GQA)
-            add_rows(li, name, per_head, {"note": G.pr_note(pr_convention)} if G.is_pr_metric(name) else {})
+            out.heads_and_mean(li, name, per_head)
         add_alphas(li, "W_Q", sv_q, svs[li]["W_Q"][1])
         add_alphas(li, "W_K", sv_k, svs[li]["W_K"][1])
         add_alphas(li, "W_QK", sv_qk, None)
@@ -130,12 +118,12 @@ def weight_geometry(
                 sv, whole = svs[li][name]
                 pr = G.participation_ratio_as(sv**2, pr_convention)
                 metric = ALPHA_METRICS[name].replace("alpha", "participation_ratio")
-                add_rows(li, metric, pr, {"note": G.pr_note(pr_convention)})
+                out.heads_and_mean(li, metric, pr)
                 add_alphas(li, name, sv, whole)
         for key, sv in zip(kept, (sv_q, sv_k, sv_qk), strict=True):
             kept[key].append(sv)
-    spectra = later.want_all({key: torch.stack(svs_of) for key, svs_of in kept.items()})
-    later.fetch()
+    spectra = out.later.want_all({key: torch.stack(svs_of) for key, svs_of in kept.items()})
+    rows = out.finish()
     _fill_alphas(alphas, conventions.alpha)
     return rows, spectra
 
@@ -143,12 +131,9 @@ def weight_geometry(
 _BATCH_ELEMENTS = 2**23  # matrices solved together hold at most this many entries (64 MB in float64)
 
 
-def _spectra_of(mats: list[Tensor]) -> list[Tensor]:
-    """Singular values (G.gram_singular_values) of each batch of matrices (..., m, n) in `mats`, those of
-    one matrix shape solved in one batched eigen-solve (instead of one per batch: 2x cheaper for the
-    cpu preset's weight side, and split over the CPU's threads), up to _BATCH_ELEMENTS at a time so a
-    large pretrained model's float64 copies stay bounded."""
-    out: list[Tensor | None] = [None] * len(mats)
+def _chunks(mats: list[Tensor]) -> list[list[int]]:
+    """Indices of `mats` (..., m, n) in chunks of one matrix shape holding at most _BATCH_ELEMENTS entries
+    each (a single larger batch alone), in order of first appearance."""
     groups: dict[tuple[int, int], list[list[int]]] = {}
     filled: dict[tuple[int, int], int] = {}  # entries in each shape's open chunk
     for i, m in enumerate(mats):
@@ -159,12 +144,27 @@ def _spectra_of(mats: list[Tensor]) -> list[Tensor]:
             filled[shape] = 0
         chunks[-1].append(i)
         filled[shape] = filled.get(shape, 0) + m.numel()
-    for idxs in (c for chunks in groups.values() for c in chunks):
-        flat = [mats[i].reshape(-1, *mats[i].shape[-2:]) for i in idxs]
-        sv = G.gram_singular_values(torch.cat(flat))
-        for i, part in zip(idxs, sv.split([f.shape[0] for f in flat]), strict=True):
-            out[i] = part.reshape(*mats[i].shape[:-2], -1)
+    return [c for chunks in groups.values() for c in chunks]
+
+
+def _solved_in_chunks(solve, *lists: list[Tensor]) -> list[Tensor]:
+    """solve(*batches) -> (N, ...) per-matrix values for each item of parallel lists of (..., m, n) batches:
+    the items of one shape solved in one call (one round trip to the host), up to _BATCH_ELEMENTS of the
+    first list's entries at a time so a large pretrained model's float64 copies stay bounded."""
+    out: list[Tensor | None] = [None] * len(lists[0])
+    for idxs in _chunks(lists[0]):
+        flat = [[ms[i].reshape(-1, *ms[i].shape[-2:]) for i in idxs] for ms in lists]
+        values = solve(*(torch.cat(f) for f in flat))
+        for i, part in zip(idxs, values.split([f.shape[0] for f in flat[0]]), strict=True):
+            out[i] = part.reshape(*lists[0][i].shape[:-2], -1)
     return out  # type: ignore[return-value]
+
+
+def _spectra_of(mats: list[Tensor]) -> list[Tensor]:
+    """Singular values (G.gram_singular_values) of each batch of matrices (..., m, n) in `mats`, those of
+    one matrix shape solved in one batched eigen-solve (instead of one per batch: 2x cheaper for the
+    cpu preset's weight side, and split over the CPU's threads)."""
+    return _solved_in_chunks(G.gram_singular_values, mats)
 
 
 def _whole(w: Tensor) -> Tensor:

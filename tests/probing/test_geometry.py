@@ -96,6 +96,26 @@ def test_interaction_singular_values_match_direct_svd():
     assert G.interaction_rank(G.interaction_singular_values(basis[:, :4], basis[:, :4])).item() == pytest.approx(4)
 
 
+def test_interaction_factors_are_chosen_matrix_by_matrix_so_a_batch_changes_no_value():
+    """A batch of three heads whose middle W_K^h has two equal columns (its Gram singular: Cholesky
+    cannot factor it well): the other two heads keep the Gram route's values bit for bit, equal to each
+    solved alone; the singular one takes QR and still matches the direct SVD. With the route chosen
+    for the batch as a whole (triangular_factor), the neighbours move to QR's rounding."""
+    g = torch.Generator().manual_seed(5)
+    w_q = torch.randn(3, 24, 6, generator=g, dtype=torch.float64)
+    w_k = torch.randn(3, 24, 6, generator=g, dtype=torch.float64)
+    w_k[1, :, 5] = w_k[1, :, 4]
+    batch = G.interaction_singular_values(w_q, w_k)
+    alone = [G.interaction_singular_values(w_q[i : i + 1], w_k[i : i + 1])[0] for i in range(3)]
+    for i in range(3):
+        assert torch.equal(batch[i], alone[i]), i
+    direct = torch.linalg.svdvals(w_q @ w_k.transpose(-1, -2))[..., :6]
+    torch.testing.assert_close(batch, direct, rtol=0, atol=1e-12 * float(direct.max()))
+    _, coupled = G.triangular_factor(w_k)  # one route for all: QR, the neighbours' R no longer the Gram's
+    assert not torch.equal(coupled[0].abs(), G.triangular_r(w_k[:1])[0].abs())
+    assert torch.equal(G.triangular_r(w_k)[0], G.triangular_r(w_k[:1])[0])
+
+
 def test_logit_singular_values_causal():
     q = torch.randn(2, 5, 3, dtype=torch.float64)
     k = torch.randn(2, 5, 3, dtype=torch.float64)
@@ -483,7 +503,8 @@ def test_energy_rank_and_the_row_centred_logit_spectrum_known_values():
 def test_row_centred_logit_spectrum_low_rank_route_is_exact():
     """Without the causal mask the centred logits are Q K_c^T (rank <= d_head), solved as a d_head
     problem: equal to float64 SVD of the T x T matrix to ~1e-12, for float32 probes (the training
-    probe's dtype), for T < d_head, padded with zeros to T; non-finite input takes the T x T route."""
+    probe's dtype), for T < d_head, padded with zeros to T; a head with non-finite input gets NaN and
+    the others their own values (no device sync decides the route)."""
     from qkgeom.probing.geometry import centred_logit_singular_values
 
     g = torch.Generator().manual_seed(1)
@@ -496,10 +517,11 @@ def test_row_centred_logit_spectrum_low_rank_route_is_exact():
         assert got.shape == (3, 4, t) and got.dtype == torch.float64
         torch.testing.assert_close(got, want, rtol=0, atol=1e-12 * float(want.max()))
         assert (got[..., min(t, e) :] == 0).all()
-    bad = torch.randn(1, 1, 16, 8)
-    bad[0, 0, 3, 2] = float("nan")
-    with pytest.warns(G.NumericalWarning):
-        assert torch.isnan(centred_logit_singular_values(bad, torch.randn(1, 1, 16, 8), causal=False)).all()
+    q, k = torch.randn(1, 2, 16, 8, generator=g), torch.randn(1, 2, 16, 8, generator=g)
+    alone = centred_logit_singular_values(q[:, 1:], k[:, 1:], causal=False)
+    q[0, 0, 3, 2] = float("nan")  # head 0 non-finite: NaN for it, head 1 its own values
+    got = centred_logit_singular_values(q, k, causal=False)
+    assert torch.isnan(got[0, 0]).all() and torch.equal(got[:, 1:], alone)
 
 
 def test_gram_singular_values_equal_the_svd_in_both_orientations_and_nan_on_bad_input():
