@@ -6,9 +6,10 @@ model and batch:
 
 - forward:    the instrumented forward pass that hands q, k and the attention pattern of each layer to
               the accumulator as it reaches the layer (probe_gpt streams; nothing of a layer is kept);
-- accumulate: covariances (float64 Gram sums) and attention entropy, per layer, inside the forward;
-- logits:     the logit (Q K^T) spectra of the first `logit_max_seqs` sequences (T x T solves), per
-              layer, inside the forward;
+- accumulate: covariances (float64 Gram sums) and attention entropy, per layer, inside the forward
+              (and the copies of the logit sequences it holds);
+- logits:     the logit (Q K^T) spectra of the first `logit_max_seqs` sequences (T x T solves), every
+              layer's together after the forward (a tree from before 2026-12-05: per layer, inside it);
 - solves:     the covariance eigen-solves and the rows they give (GeometryAccumulator.rows);
 - weights:    the weight side (singular values of W_Q, W_K, W_V, W_O and W_Q W_K^T per head) ...
 - fits:       ... and its power-law alpha fits (timed apart from the weight spectra);
@@ -64,7 +65,10 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
         acc._update_stats(i, q, k, pat, G.causal_support(q.shape[2]).expand(q.shape[0], -1), None)
         sync(device)
         t2 = time.perf_counter()
-        acc._update_logits([i], [q], [k], True, None, [1.0])
+        if held:  # the layer's logit sequences copied aside, solved with the others' after the forward
+            acc._hold_logits(i, q, k, True, None, 1.0)
+        else:  # a tree from before 2026-12-05: each layer's logit spectra solved as the forward reaches it
+            acc._update_logits([i], [q], [k], True, None, [1.0])
         sync(device)
         inner["accumulate"] += t2 - t1
         inner["logits"] += time.perf_counter() - t2
@@ -73,9 +77,14 @@ def probe_parts(model, idx, cap: int, device: str) -> dict[str, float]:
     t0 = time.perf_counter()
     with torch.no_grad():
         acc = P.GeometryAccumulator(settings=settings)
+        held = hasattr(acc, "_hold_logits")
         P.stream_gpt(model, idx, on_layer)  # the forward, each layer accumulated as it is reached
         t0 = tick("forward", t0)
         t["forward"] -= sum(inner.values())
+        if held:
+            acc._solve_held()
+            t0 = tick("held logits", t0)
+            inner["logits"] += t.pop("held logits")
         t |= inner
         rows = acc.rows()
         acc.spectra()

@@ -9,9 +9,9 @@ spectra come from :func:`weight_geometry`. Adding a metric = one line here + one
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -20,10 +20,12 @@ from qkgeom import device as D
 from qkgeom.config import DEFAULT_PROBE, ProbeSettings
 from qkgeom.errors import QKGeomError
 from qkgeom.probing import geometry as G
+from qkgeom.probing.rows import Rows
 from qkgeom.probing.weights import ALPHA_METRICS, nonfinite_weights, weight_geometry  # noqa: F401 (part of the probe API)
 
 Tensor = torch.Tensor
 ENTROPY_BINS = 1000  # histogram resolution of normalised entropy, for a streaming median
+_HELD_SCORES = 2**26  # logit scores (B x H x T x T) held for one solve at most (256 MB in float32)
 
 
 @dataclass
@@ -71,53 +73,7 @@ class _Layer:
     logit_gain: float = 1.0  # the model's scores are q k^T / sqrt(E) times this
 
 
-class _Rows:
-    """The tidy rows an accumulator gives, each PR row noted with its convention. A value given as a
-    tensor is read at `finish()`, every one of them in one transfer (qkgeom.device.Later), not one
-    device sync per row."""
-
-    def __init__(self, site: str, conv: str) -> None:
-        self.site, self.conv, self.rows = site, conv, []
-        self._later = D.Later()
-
-    def add(self, layer: int, head: int, metric: str, value: float | Tensor) -> None:
-        pr_conv = "variance" if metric.endswith("bias_corrected") else self.conv
-        note = G.pr_note(pr_conv) if G.is_pr_metric(metric) else ""
-        read = isinstance(value, torch.Tensor)
-        known = math.nan if read else float(value)
-        row = {"layer": layer, "head": head, "site": self.site, "metric": metric, "value": known}
-        self.rows.append(row | {"note": note} if note else row)
-        if read:
-            self._later.want(value, self._filler(len(self.rows) - 1))
-
-    def heads(self, layer: int, metric: str, values: Tensor | list) -> None:
-        first, read = len(self.rows), isinstance(values, torch.Tensor)
-        for h in range(len(values)):
-            self.add(layer, h, metric, math.nan if read else values[h])
-        if read:
-            self._later.want(values, self._filler(first))
-
-    def heads_and_mean(self, layer: int, metric: str, values: Tensor) -> None:
-        """Each head's value, then the layer's (head -1) as their mean."""
-        self.heads(layer, metric, values)
-        self.add(layer, -1, metric, values.mean())
-
-    def _filler(self, first: int) -> Callable[[np.ndarray], None]:
-        """Writes an array's values into the rows from `first` on, as Python floats."""
-
-        def put(values: np.ndarray) -> None:
-            for i, v in enumerate(values.reshape(-1).tolist()):
-                self.rows[first + i]["value"] = float(v)
-
-        return put
-
-    def finish(self) -> list[dict]:
-        """The rows, every value read."""
-        self._later.fetch()
-        return self.rows
-
-
-def _spectrum_rows(out: _Rows, li: int, st: _Layer) -> None:
+def _spectrum_rows(out: Rows, li: int, st: _Layer) -> None:
     """Layer `li`'s covariance-spectrum summaries of queries and keys (the layer's whole and per head),
     and the PR contrast PR_Q - PR_K (read with every other row, at out.finish())."""
     conv = out.conv
@@ -138,6 +94,16 @@ def _spectrum_rows(out: _Rows, li: int, st: _Layer) -> None:
     out.heads(li, "participation_ratio_contrast", pr_q - pr_k.repeat_interleave(len(pr_q) // len(pr_k)))
 
 
+class _Held(NamedTuple):
+    """One layer's logit sequences, held by update_layer until rows() solves them with the others."""
+
+    layer: int
+    q: Tensor  # (B, H_q, T, E)
+    k: Tensor  # (B, H_kv, T, E)
+    causal: bool
+    scale: float
+
+
 class GeometryAccumulator:
     """Streams QKSnapshots; ``rows()`` and ``spectra()`` summarise everything seen."""
 
@@ -151,10 +117,14 @@ class GeometryAccumulator:
         self.layers: list[_Layer] = []
         self.logit_spectrum = logit_spectrum
         self.site = site
+        # update_layer's logit sequences, solved together at rows() or once they
+        # would form more than _HELD_SCORES scores: one round trip to the host for many layers, not four each
+        self._held: list[_Held] = []
 
     @D.exact_float32()
     def update(self, snap: QKSnapshot) -> None:
         """Add one batch of every layer (the logit spectra of all layers solved together)."""
+        self._solve_held()  # update_layer's first, in the order they came
         mask = snap.token_mask
         for i, (q, k, pat) in enumerate(zip(snap.q, snap.k, snap.pattern, strict=True)):
             B, _, T, _ = q.shape
@@ -178,9 +148,36 @@ class GeometryAccumulator:
     ) -> None:
         """Add one batch of one layer. q (B, H_q, T, E), k (B, H_kv, T, E), pattern (B, H_q, T, S),
         support (B, T): keys visible to each query; token_mask (B, T): real tokens; logit_scale: the
-        model's scores are q k^T / sqrt(E) times this (1 for the standard scaling)."""
+        model's scores are q k^T / sqrt(E) times this (1 for the standard scaling). The logit sequences
+        wait, and are solved with every other layer's at rows(): no round trip to the host here."""
         self._update_stats(layer, q, k, pattern, support, token_mask, logit_scale)
-        self._update_logits([layer], [q], [k], causal, token_mask, [logit_scale])
+        self._hold_logits(layer, q, k, causal, token_mask, logit_scale)
+
+    def _hold_logits(self, layer: int, q: Tensor, k: Tensor, causal: bool, mask: Tensor | None, scale: float) -> None:
+        """Keep copies of the layer's logit sequences (the first, up to settings.logit_seqs in all) for
+        _solve_held; solve what is held once it would form more than _HELD_SCORES scores."""
+        if not self.logit_spectrum or mask is not None:
+            return
+        cap, st = self.settings.logit_seqs, self.layers[layer]
+        held = sum(h.q.shape[0] for h in self._held if h.layer == layer)
+        room = q.shape[0] if cap is None else cap - st.logit_n - held
+        if room > 0:  # copies of the first sequences only: the batch itself is not kept alive
+            self._held.append(_Held(layer, q.detach()[:room].clone(), k.detach()[:room].clone(), causal, scale))
+            if sum(h.q.shape[0] * h.q.shape[1] * h.q.shape[2] ** 2 for h in self._held) > _HELD_SCORES:
+                self._solve_held()
+
+    def _solve_held(self) -> None:
+        """The held logit sequences solved as update() solves a batch, all layers in one call; a layer met
+        again (a second batch) starts the next call, so each layer's sequences fold in the order they came."""
+        held, self._held = self._held, []
+        while held:
+            wave: list[_Held] = []
+            for h in held:
+                if all(w.layer != h.layer for w in wave) and (not wave or h.causal == wave[0].causal):
+                    wave.append(h)
+            held = [h for h in held if all(h is not w for w in wave)]
+            layers, qs, ks = [h.layer for h in wave], [h.q for h in wave], [h.k for h in wave]
+            self._update_logits(layers, qs, ks, wave[0].causal, None, [h.scale for h in wave])
 
     def _update_stats(
         self,
@@ -270,7 +267,8 @@ class GeometryAccumulator:
 
     def rows(self) -> list[dict]:
         """Tidy rows (layer, head, site, metric, value) for everything streamed so far."""
-        out = _Rows(self.site, self.settings.conventions.pr)
+        out = Rows(self.site, self.settings.conventions.pr)
+        self._solve_held()
         self._read_counts()
         G.solve_together([acc for st in self.layers for acc in (st.q_all, st.k_all)])
         G.solve_blocks_together([(st.q_all, st.n_q_heads) for st in self.layers]
