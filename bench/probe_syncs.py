@@ -74,9 +74,18 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("label", nargs="?", default="now", help="what the printed counts are of (e.g. before, after)")
     label = ap.parse_args().label
-    D.to_host = counted("transfers", D.to_host)
+    real_to_host = D.to_host
+
+    def to_host(t):  # a read inside the solve door is of the host copies: no transfer, no sync
+        n["transfers"] += not (S is not None and S.solving())
+        return real_to_host(t)
+
+    D.to_host = to_host
     if S is not None:
         S.round_trip = counted("round_trips", S.round_trip)
+    held = getattr(P, "_HELD_SCORES", None)  # logit sequences held for one solve (since 2026-12-05) ...
+    if held is not None:  # ... as many as a GPU holds (a CPU solves fewer at a time, for its caches)
+        held["cpu"] = held["cuda"]
     cfg = C.load("paper", ["model.d_model=768", "model.n_layers=12", "model.n_heads=12", "model.n_ctx=64"])
     torch.manual_seed(0)
     m = GPT(cfg.model, 284).eval()

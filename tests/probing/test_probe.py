@@ -342,7 +342,7 @@ def test_streamed_layers_hold_their_logit_sequences_for_one_solve_at_rows(monkey
     assert streaming == 0
     solves_of_covariances = 2  # every layer's covariances, then their per-head blocks
     assert total - solves_of_covariances == 4
-    monkeypatch.setattr(P, "_HELD_SCORES", 1)  # each layer solved as it comes
+    monkeypatch.setitem(P._HELD_SCORES, "cpu", 1)  # each layer solved as it comes
     alone, streaming, total = streamed()
     assert streaming == 16 and total - solves_of_covariances == 16
     assert held.keys() == alone.keys() and all(held[k] == alone[k] for k in held)
