@@ -119,8 +119,8 @@ class GeometryAccumulator:
         self.layers: list[_Layer] = []
         self.logit_spectrum = logit_spectrum
         self.site = site
-        # update_layer's logit sequences, solved together at rows() or once they
-        # would form more than _HELD_SCORES scores: one round trip to the host for many layers, not four each
+        # update_layer's logit sequences, solved together at rows() (or past _HELD_SCORES): one round
+        # trip to the host for many layers, not four for each
         self._held: list[_Held] = []
 
     @D.exact_float32()
