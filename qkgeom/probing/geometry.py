@@ -369,34 +369,6 @@ def interaction_rank(sv: Tensor) -> Tensor:
     return participation_ratio(sv.to(torch.float64) ** 2)
 
 
-def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
-    """Singular values (descending, float64) of the score matrix S = Q K^T / sqrt(d_head), future
-    entries zeroed if causal. q, k: (..., T, d_head) -> (..., T).
-
-    S is formed in the inputs' precision (float32 for a float32 model: the scores the model itself
-    computes; float64 inputs stay float64) and its singular values taken as sqrt(eig(S^T S)) with
-    the T x T eigenproblem solved in float32 (the dominant cost, 2x cheaper than float64): the
-    relative error is ~1e-6 of the largest squared singular value, far below what the reported
-    summaries (PR of s^2, s_max) resolve. If the float32 solve fails (it can, on some CPUs, for
-    ill-conditioned input), :func:`robust_eigvalsh` falls back to float64, then to an SVD.
-    """
-    return singular_values_of_scores(*visible_scores(q, k, causal))
-
-
-def singular_values_of_scores(scores: Tensor, visible: Tensor) -> Tensor:
-    """:func:`logit_singular_values` from the scores (..., T, T) and the (T, T) mask of visible keys, as
-    :func:`visible_scores` gives them (so callers that also need :func:`row_std_of_scores` form the
-    scores once). `scores` is overwritten (its masked, normalised copy is not needed afterwards)."""
-    work = scores.dtype
-    scores.masked_fill_(~visible, 0)
-    # normalise first (singular values scale linearly) so float32 cannot overflow on huge weights
-    top = torch.maximum(scores.amax(dim=(-1, -2), keepdim=True), -scores.amin(dim=(-1, -2), keepdim=True))
-    scale = top.clamp_min(torch.finfo(work).tiny)
-    unit = scores.div_(scale)
-    ev = robust_eigvalsh(unit.transpose(-1, -2) @ unit, fast=True, what="logit spectrum")
-    return ev.flip(-1).clamp_min(0).sqrt() * scale[..., 0].to(torch.float64)
-
-
 def energy_rank(sv: Tensor, fraction: float = 0.9) -> Tensor:
     """The number of components that carry `fraction` of the energy sum(s^2) of a spectrum of singular
     values (..., d), descending: the smallest k with sum_{i<=k} s_i^2 >= fraction * sum s^2 (0 for an
@@ -406,64 +378,6 @@ def energy_rank(sv: Tensor, fraction: float = 0.9) -> Tensor:
     cum = e.cumsum(-1)
     k = (cum < fraction * total * (1 - 1e-12)).sum(-1) + 1
     return torch.where(total[..., 0] > 0, k.to(torch.float64), torch.zeros_like(k, dtype=torch.float64))
-
-
-def visible_scores(q: Tensor, k: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
-    """Scores q.k / sqrt(d_head) (..., T, T) in float64 for float64 input, else float32, and the (T, T)
-    mask of the keys each query sees (lower triangle if causal)."""
-    work = torch.float64 if q.dtype == torch.float64 or k.dtype == torch.float64 else torch.float32
-    scores = (q.detach().to(work) @ k.detach().to(work).transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))
-    t = scores.shape[-1]
-    visible = torch.ones(t, t, dtype=torch.bool, device=scores.device)
-    return scores, torch.tril(visible) if causal else visible
-
-
-def centred_logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
-    """Singular values (descending, float64) of the row-centred score matrix: S = Q K^T / sqrt(d_head),
-    each query row minus its mean over the keys it sees, unseen entries zero (the data side of a head's
-    logits, the "energy field" whose components are counted against W_Q W_K^T's). (..., T).
-
-    Without the causal mask the centred matrix is low-rank: each row minus its mean over all keys is
-    q_i . (k_j - mean k) / sqrt(d_head), i.e. Q K_c^T with K_c the keys centred over positions, so its
-    singular values are those of R_Q R_Kc^T (triangular factors, min(T, d_head) square), padded with
-    zeros to T: exact, in float64, and d_head^3 instead of T^3 work (the probe's costliest solve). A
-    matrix with a non-finite q or k gets NaN, the others their own values (no device sync to decide)."""
-    if not causal:
-        qd, kc = q.detach().to(torch.float64), k.detach().to(torch.float64)
-        finite = torch.isfinite(qd).all(-1).all(-1) & torch.isfinite(kc).all(-1).all(-1)  # (...,) per matrix
-        qd = torch.where(finite[..., None, None], qd, 0.0)
-        kc = torch.where(finite[..., None, None], kc, 0.0)
-        kc = kc - kc.mean(-2, keepdim=True)
-        sv = interaction_singular_values(qd, kc) / math.sqrt(q.shape[-1])  # (..., min(T, E))
-        sv = torch.nn.functional.pad(sv, (0, q.shape[-2] - sv.shape[-1]))  # zeros up to T
-        return torch.where(finite[..., None], sv, math.nan)
-    scores, visible = visible_scores(q, k, causal)
-    work = scores.dtype
-    zero = torch.zeros((), dtype=work, device=scores.device)
-    masked = torch.where(visible, scores, zero)
-    centred = torch.where(visible, masked - masked.sum(-1, keepdim=True) / visible.sum(-1, keepdim=True), zero)
-    top = centred.abs().amax(dim=(-1, -2), keepdim=True).clamp_min(torch.finfo(work).tiny)
-    unit = centred / top
-    ev = robust_eigvalsh(unit.transpose(-1, -2) @ unit, fast=True, what="centred logit spectrum")
-    return ev.flip(-1).clamp_min(0).sqrt() * top[..., 0].to(torch.float64)
-
-
-def logit_row_std(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
-    """Per query row, the standard deviation of its scores q.k / sqrt(d_head) over the keys it sees
-    (all keys, or keys <= its position if causal): the logit scale that sets how peaked its softmax
-    can be. q, k: (..., T, d_head) -> (..., T), NaN for rows that see fewer than 2 keys."""
-    return row_std_of_scores(*visible_scores(q, k, causal))
-
-
-def row_std_of_scores(scores: Tensor, visible: Tensor) -> Tensor:
-    """:func:`logit_row_std` from the scores (..., T, T) and the (T, T) mask of visible keys (unchanged)."""
-    work = scores.dtype
-    n = visible.sum(-1).to(work)  # (T,)
-    zero = torch.zeros((), dtype=work, device=scores.device)
-    mean = torch.where(visible, scores, zero).sum(-1) / n
-    dev = torch.where(visible, scores - mean.unsqueeze(-1), zero)
-    std = ((dev**2).sum(-1) / n).sqrt().to(torch.float64)
-    return torch.where(n >= 2, std, torch.full_like(std, float("nan")))
 
 
 def input_logit_scale(cov_q: Tensor, cov_k: Tensor, mean_q: Tensor | None = None) -> Tensor:

@@ -20,6 +20,7 @@ from qkgeom import device as D
 from qkgeom.config import DEFAULT_PROBE, ProbeSettings
 from qkgeom.errors import QKGeomError
 from qkgeom.probing import geometry as G
+from qkgeom.probing import logits as LG
 from qkgeom.probing.rows import Rows
 from qkgeom.probing.weights import ALPHA_METRICS, nonfinite_weights, weight_geometry  # noqa: F401 (part of the probe API)
 
@@ -224,7 +225,7 @@ class GeometryAccumulator:
             q = torch.stack([qs[j][:room] for j in members])  # (L, B, H_q, T, E)
             k = torch.stack([ks[j][:room] for j in members])
             k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # each query head with the key head it reads
-            sums = _logit_sums(q, k, causal, self.settings.conventions.pr)
+            sums = LG.logit_sums(q, k, causal, self.settings.conventions.pr)
             for i, j in enumerate(members):
                 self._add_logits(self.layers[layers[j]], {key: v[i] for key, v in sums.items()}, scales[j], room)
 
@@ -329,28 +330,6 @@ class GeometryAccumulator:
         spectra = later.want_all({name: torch.stack(layers) for name, layers in per_layer.items()})
         later.fetch()
         return spectra
-
-
-def _logit_sums(q: Tensor, k: Tensor, causal: bool, convention: str) -> dict[str, Tensor]:
-    """Per-head sums over the sequences of q, k (..., B, H, T, E) of the logit statistics at logit scale 1:
-    PR of the (causal) score matrix's squared singular values, its top singular value, the 90%-energy
-    rank of the row-centred scores, and the per-row logit std (sum, sum of squares, finite-row count)."""
-    scores, visible = G.visible_scores(q, k, causal)  # formed once for the row std and the spectrum
-    row_std = G.row_std_of_scores(scores, visible).transpose(-3, -2).flatten(-2)  # (..., H, B*T)
-    finite = torch.isfinite(row_std[..., :1, :]).expand_as(row_std)  # rows with >= 2 keys (head 0 decides)
-    row_std = torch.where(finite, row_std, 0.0)
-    sv = G.singular_values_of_scores(scores, visible)  # (..., B, H, T); overwrites scores
-    # the bilinear form's energy on the data: Q K^T over all key positions (a causal mask would make
-    # any low-rank matrix full-rank), each row centred
-    ranks = G.energy_rank(G.centred_logit_singular_values(q, k, causal=False))
-    return {
-        "row_std": row_std.sum(-1),
-        "row_std_sq": (row_std**2).sum(-1),
-        "row_n": finite[..., 0, :].sum(-1),
-        "rank": ranks.sum(-2),
-        "pr": G.participation_ratio_as(sv**2, convention).sum(-2),
-        "top": sv[..., 0].sum(-2),
-    }
 
 
 def _summary(eigs: Tensor, n: int, convention: str = "variance") -> dict[str, Tensor]:

@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from qkgeom import solves as S
-from qkgeom.probing.geometry import input_logit_scale, logit_row_std, triangular_factor
+from qkgeom.probing.geometry import input_logit_scale, triangular_factor
+from qkgeom.probing.logits import logit_row_std
 
 Tensor = torch.Tensor
 

@@ -21,7 +21,7 @@ ORDER = [
     ["results", "executor"],
     # probing: q, k, pattern -> rows
     ["probing", "probing.geometry", "probing.hooks", "probing.archs"],
-    ["probing.alpha", "probing.rows"],
+    ["probing.alpha", "probing.rows", "probing.logits"],
     ["probing.weights"],
     ["probing.probe"],
     ["probing.hf", "probing.scalars"],

@@ -10,6 +10,7 @@ import torch
 from qkgeom import solves as S
 from qkgeom.probing import alpha as AL
 from qkgeom.probing import geometry as G
+from qkgeom.probing import logits as LG
 
 
 def test_isotropic_cloud_has_pr_d():
@@ -120,7 +121,7 @@ def test_logit_singular_values_causal():
     q = torch.randn(2, 5, 3, dtype=torch.float64)
     k = torch.randn(2, 5, 3, dtype=torch.float64)
     scores = torch.tril(q @ k.transpose(-1, -2) / math.sqrt(3))
-    sv, ref = G.logit_singular_values(q, k), torch.linalg.svdvals(scores)
+    sv, ref = LG.logit_singular_values(q, k), torch.linalg.svdvals(scores)
     assert torch.allclose(sv**2, ref**2, atol=1e-5 * ref.max().item() ** 2)
     assert G.participation_ratio(sv**2).allclose(G.participation_ratio(ref**2), rtol=1e-5)
 
@@ -156,7 +157,7 @@ def test_float32_rows_centered_in_float32_stay_close_to_float64():
 def test_logit_singular_values_do_not_overflow_on_huge_scores():
     q = torch.randn(2, 6, 3, dtype=torch.float64) * 1e25  # S^T S would overflow float32 unscaled
     k = torch.randn(2, 6, 3, dtype=torch.float64) * 1e25
-    sv = G.logit_singular_values(q, k)
+    sv = LG.logit_singular_values(q, k)
     ref = torch.linalg.svdvals(torch.tril(q @ k.transpose(-1, -2) / 3**0.5))
     assert torch.isfinite(sv).all() and torch.allclose(sv[..., 0], ref[..., 0], rtol=1e-5)
 
@@ -225,13 +226,13 @@ def test_robust_eigvalsh_falls_back_instead_of_raising(monkeypatch):
 def test_logit_spectrum_of_huge_and_nonfinite_scores_never_raises():
     q = torch.randn(2, 3, 16, 8, dtype=torch.float64) * 1e150  # huge weights: scores ~1e300
     k = torch.randn(2, 3, 16, 8, dtype=torch.float64) * 1e150
-    sv = G.logit_singular_values(q, k)
+    sv = LG.logit_singular_values(q, k)
     ref = torch.linalg.svdvals(torch.tril(q @ k.transpose(-1, -2) / math.sqrt(8)))
     top = ref[..., :1]
     assert torch.allclose((sv / top) ** 2, (ref / top) ** 2, atol=1e-5)  # float32 route: error relative to s_max^2
     q[0, 0, 0, 0] = float("inf")
     with pytest.warns(G.NumericalWarning):
-        sv = G.logit_singular_values(q, k)
+        sv = LG.logit_singular_values(q, k)
     assert torch.isnan(sv[0, 0]).all() and torch.isfinite(sv[1]).all()
 
 
@@ -481,7 +482,8 @@ def test_the_two_pr_conventions_on_analytic_cases():
 
 
 def test_energy_rank_and_the_row_centred_logit_spectrum_known_values():
-    from qkgeom.probing.geometry import centred_logit_singular_values, energy_rank
+    from qkgeom.probing.geometry import energy_rank
+    from qkgeom.probing.logits import centred_logit_singular_values
 
     # energies 9, 4, 1, 0 of 14: 90% (12.6) needs two components; exactly 13/14 is reached at two too
     assert energy_rank(torch.tensor([3.0, 2.0, 1.0, 0.0])).item() == 2
@@ -505,7 +507,7 @@ def test_row_centred_logit_spectrum_low_rank_route_is_exact():
     problem: equal to float64 SVD of the T x T matrix to ~1e-12, for float32 probes (the training
     probe's dtype), for T < d_head, padded with zeros to T; a head with non-finite input gets NaN and
     the others their own values (no device sync decides the route)."""
-    from qkgeom.probing.geometry import centred_logit_singular_values
+    from qkgeom.probing.logits import centred_logit_singular_values
 
     g = torch.Generator().manual_seed(1)
     for t, e in ((128, 32), (16, 32), (40, 8)):

@@ -526,7 +526,7 @@ def test_zero_training_complement_on_a_none_run(tmp_path):
 def test_match_row_std_sets_the_probes_statistic_exactly_and_changes_no_shape():
     """The closed loop's statistic is the probe's (geometry.logit_row_std averaged over causal rows with
     >= 2 keys), it scales linearly with a common gain on W_Q, W_K, and matching it is exact."""
-    from qkgeom.probing.geometry import logit_row_std
+    from qkgeom.probing.logits import logit_row_std
 
     g = torch.Generator().manual_seed(0)
     w_q, w_k = torch.randn(3, 16, 4, generator=g), torch.randn(3, 16, 4, generator=g)
