@@ -145,34 +145,56 @@ def spectrum_summary(eigs: Tensor, convention: str = "variance") -> dict[str, Te
     }
 
 
-def _solve_by_size(todo: list[tuple[Tensor, Callable[[Tensor], None]]], what: str) -> None:
-    """For each (matrices (m, ..., n, n), put): put(their eigenvalues, descending and >= 0), all matrices
-    of one size solved in one batch (one round trip to the host). Each matrix's values are its own
-    solve's (robust_eigvalsh falls back matrix by matrix), so batching changes none of them."""
-    groups: dict[tuple[int, ...], list[tuple[Tensor, Callable[[Tensor], None]]]] = {}
-    for mats, put in todo:
-        groups.setdefault(tuple(mats.shape[1:]), []).append((mats, put))
-    for group in groups.values():
-        ev = robust_eigvalsh(torch.cat([m for m, _ in group]), what=what).flip(-1).clamp_min(0)
-        for (_, put), e in zip(group, ev.split([m.shape[0] for m, _ in group]), strict=True):
-            put(e)
+def solve_by_shape(solve: Callable[..., Tensor], *lists: list[Tensor], max_elements: int | None = None) -> list[Tensor]:
+    """solve(*batches) -> (N, ...) values per matrix, for each item of parallel lists of (..., m, n)
+    batches: the items of one matrix shape solved in one call (one round trip to the host), up to
+    max_elements of the first list's entries at a time (a larger item alone); each item's values come
+    back in its own leading shape, (..., -1). Each matrix's values are its own solve's (the solves here
+    fall back matrix by matrix), so the grouping changes none of them."""
+    chunks: dict[tuple[int, int], list[list[int]]] = {}
+    filled: dict[tuple[int, int], int] = {}  # entries in each shape's open chunk
+    for i, m in enumerate(lists[0]):
+        shape = (m.shape[-2], m.shape[-1])
+        open_chunks = chunks.setdefault(shape, [[]])
+        if max_elements is not None and open_chunks[-1] and filled[shape] + m.numel() > max_elements:
+            open_chunks.append([])
+            filled[shape] = 0
+        open_chunks[-1].append(i)
+        filled[shape] = filled.get(shape, 0) + m.numel()
+    out: list[Tensor | None] = [None] * len(lists[0])
+    for idxs in (c for shape_chunks in chunks.values() for c in shape_chunks):
+        flat = [[ms[i].reshape(-1, *ms[i].shape[-2:]) for i in idxs] for ms in lists]
+        values = solve(*(torch.cat(f) for f in flat))
+        for i, part in zip(idxs, values.split([f.shape[0] for f in flat[0]]), strict=True):
+            out[i] = part.reshape(*lists[0][i].shape[:-2], -1)
+    return out  # type: ignore[return-value]
+
+
+def _descending_eigenvalues(what: str) -> Callable[[Tensor], Tensor]:
+    """A solve for solve_by_shape: eigenvalues of symmetric matrices, descending and >= 0."""
+    return lambda mats: robust_eigvalsh(mats, what=what).flip(-1).clamp_min(0)
 
 
 def solve_together(accs: list[CovarianceAccumulator]) -> None:
     """Fill the eigenvalue caches of many accumulators with one batched solve per matrix size (a
     30-layer model's layer covariances: one call that `batched_eigvalsh` can split over threads,
     instead of 30 single solves on one core); `eigenvalues()` is this for one accumulator."""
-    todo = [(acc.covariance()[None], lambda e, acc=acc: setattr(acc, "_eig", e[0])) for acc in accs if acc._eig is None]
-    _solve_by_size(todo, "covariance eigenvalues")  # covariance() raises for an accumulator with no rows
+    todo = [acc for acc in accs if acc._eig is None]
+    covs = [acc.covariance() for acc in todo]  # raises for an accumulator that has seen no rows
+    solve = _descending_eigenvalues("covariance eigenvalues")
+    for acc, e in zip(todo, solve_by_shape(solve, covs), strict=True):
+        acc._eig = e
 
 
 def solve_blocks_together(wanted: list[tuple[CovarianceAccumulator, int]]) -> None:
     """Fill the block-eigenvalue caches of many (accumulator, n_blocks) with one batched solve per block
     size: every layer's per-head covariance blocks in one round trip to the host (on a GPU, one sync
     instead of one per layer and side); `block_eigenvalues()` is this for one."""
-    todo = [(acc.block_covariances(n), lambda e, acc=acc, n=n: acc._block_eig.__setitem__(n, e))
-            for acc, n in wanted if n not in acc._block_eig]  # fmt: skip
-    _solve_by_size(todo, "per-head covariance eigenvalues")
+    todo = [(acc, n) for acc, n in wanted if n not in acc._block_eig]
+    blocks = [acc.block_covariances(n) for acc, n in todo]
+    solve = _descending_eigenvalues("per-head covariance eigenvalues")
+    for (acc, n), e in zip(todo, solve_by_shape(solve, blocks), strict=True):
+        acc._block_eig[n] = e
 
 
 def covariance_eigenvalues(x: Tensor) -> Tensor:
@@ -285,15 +307,16 @@ def attention_entropy(pattern: Tensor, support: Tensor | None = None) -> tuple[T
     if support is None:
         support = causal_support(p.shape[-2])
     k = support.to(h.device).long().clamp(0, p.shape[-1])  # a row sees at most T_k keys
-    norm = torch.where(k >= 2, h / _log_table(p.shape[-1]).to(h.device)[k], torch.full_like(h, math.nan))
+    norm = torch.where(k >= 2, h / _log_table(p.shape[-1], h.device)[k], torch.full_like(h, math.nan))
     return h, norm
 
 
 @functools.lru_cache(maxsize=8)
-def _log_table(n: int) -> Tensor:
-    """log k for k = 0..n (1 below k = 2) by math.log: the same bits whatever the threads (torch.log of a
-    probe's support differed in the last bit in 5-6 of 40 processes on 2 CPU threads, never on 1)."""
-    return torch.tensor([math.log(i) if i >= 2 else 1.0 for i in range(n + 1)], dtype=torch.float64)
+def _log_table(n: int, device: torch.device) -> Tensor:
+    """log k for k = 0..n (1 below k = 2) by math.log, on `device`: the same bits whatever the threads
+    (torch.log of a probe's support differed in the last bit in 5-6 of 40 processes on 2 CPU threads,
+    never on 1); made once per length and device, not copied to the device at every layer."""
+    return torch.tensor([math.log(i) if i >= 2 else 1.0 for i in range(n + 1)], dtype=torch.float64, device=device)
 
 
 @S.host

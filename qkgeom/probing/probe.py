@@ -176,10 +176,11 @@ class GeometryAccumulator:
         held, self._held = self._held, []
         while held:
             wave: list[_Held] = []
+            later: list[_Held] = []
             for h in held:
-                if all(w.layer != h.layer for w in wave) and (not wave or h.causal == wave[0].causal):
-                    wave.append(h)
-            held = [h for h in held if all(h is not w for w in wave)]
+                fits = all(w.layer != h.layer for w in wave) and (not wave or h.causal == wave[0].causal)
+                (wave if fits else later).append(h)
+            held = later
             layers, qs, ks = [h.layer for h in wave], [h.q for h in wave], [h.k for h in wave]
             self._update_logits(layers, qs, ks, wave[0].causal, None, [h.scale for h in wave])
 

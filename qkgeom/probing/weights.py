@@ -97,7 +97,7 @@ def weight_geometry(
     solved = iter(_spectra_of(mats))  # every layer's per-head and whole matrices, solved together
     svs = [{name: (next(solved), next(solved)) for name in layer} for layer in per_layer]
     keys = [wk.repeat_interleave(wq.shape[0] // wk.shape[0], dim=0) for wq, wk in zip(w_q, w_k, strict=True)]
-    interactions = _solved_in_chunks(G.interaction_singular_values, w_q, keys)  # every layer's, together
+    interactions = G.solve_by_shape(G.interaction_singular_values, w_q, keys, max_elements=_BATCH_ELEMENTS)
     for li in range(len(w_q)):
         sv_q, sv_k, sv_qk = svs[li]["W_Q"][0], svs[li]["W_K"][0], interactions[li]  # (H, E)
         metrics = {
@@ -128,43 +128,15 @@ def weight_geometry(
     return rows, spectra
 
 
-_BATCH_ELEMENTS = 2**23  # matrices solved together hold at most this many entries (64 MB in float64)
-
-
-def _chunks(mats: list[Tensor]) -> list[list[int]]:
-    """Indices of `mats` (..., m, n) in chunks of one matrix shape holding at most _BATCH_ELEMENTS entries
-    each (a single larger batch alone), in order of first appearance."""
-    groups: dict[tuple[int, int], list[list[int]]] = {}
-    filled: dict[tuple[int, int], int] = {}  # entries in each shape's open chunk
-    for i, m in enumerate(mats):
-        shape = (m.shape[-2], m.shape[-1])
-        chunks = groups.setdefault(shape, [[]])
-        if chunks[-1] and filled[shape] + m.numel() > _BATCH_ELEMENTS:
-            chunks.append([])
-            filled[shape] = 0
-        chunks[-1].append(i)
-        filled[shape] = filled.get(shape, 0) + m.numel()
-    return [c for chunks in groups.values() for c in chunks]
-
-
-def _solved_in_chunks(solve, *lists: list[Tensor]) -> list[Tensor]:
-    """solve(*batches) -> (N, ...) per-matrix values for each item of parallel lists of (..., m, n) batches:
-    the items of one shape solved in one call (one round trip to the host), up to _BATCH_ELEMENTS of the
-    first list's entries at a time so a large pretrained model's float64 copies stay bounded."""
-    out: list[Tensor | None] = [None] * len(lists[0])
-    for idxs in _chunks(lists[0]):
-        flat = [[ms[i].reshape(-1, *ms[i].shape[-2:]) for i in idxs] for ms in lists]
-        values = solve(*(torch.cat(f) for f in flat))
-        for i, part in zip(idxs, values.split([f.shape[0] for f in flat[0]]), strict=True):
-            out[i] = part.reshape(*lists[0][i].shape[:-2], -1)
-    return out  # type: ignore[return-value]
+_BATCH_ELEMENTS = 2**23  # matrices solved together hold at most this many entries (64 MB in float64):
+# a large pretrained model's float64 copies stay bounded
 
 
 def _spectra_of(mats: list[Tensor]) -> list[Tensor]:
     """Singular values (G.gram_singular_values) of each batch of matrices (..., m, n) in `mats`, those of
     one matrix shape solved in one batched eigen-solve (instead of one per batch: 2x cheaper for the
-    cpu preset's weight side, and split over the CPU's threads)."""
-    return _solved_in_chunks(G.gram_singular_values, mats)
+    cpu preset's weight side, and split over the CPU's threads), _BATCH_ELEMENTS at a time."""
+    return G.solve_by_shape(G.gram_singular_values, mats, max_elements=_BATCH_ELEMENTS)
 
 
 def _whole(w: Tensor) -> Tensor:
