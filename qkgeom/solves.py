@@ -17,11 +17,17 @@ probe on a GPU gives the CPU's spectra of the device's Gram matrices. The produc
 matrices stay on the device. tests/ground/test_device.py runs the probe, the trainer with its closed
 loop, the complement and the pretrained path under a mode that refuses a `torch.linalg` decomposition
 made by qkgeom outside this door (its SolveGuard).
+
+Importing this module also settles oneMKL's vector-math kernels (`settle_vector_math`): torch's CPU
+sqrt, log, exp and their kin call them from each of its threads, and oneMKL 2024.2, inside torch 2.13's
+CPU wheels, picks each function's kernel on its first call; a first call made on two threads at once
+can run one thread's whole chunk on a low-accuracy kernel (pytorch/pytorch#188792).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -119,3 +125,33 @@ def thread_map(fn: Callable[[T], R], items: Iterable[T], k: int) -> list[R]:
     if _POOL is None or _POOL_SIZE != k:  # our own record of its size: no private attribute needed
         _POOL, _POOL_SIZE = ThreadPoolExecutor(k, thread_name_prefix="qkgeom-pool"), k
     return list(_POOL.map(fn, items))
+
+
+# the torch ops a CPU computes with oneMKL's vector math: IMPLEMENT_VML_MKL in torch 2.13's
+# ATen/cpu/vml.h (tests/ground/test_device.py reads the installed torch's header)
+VML_OPS = ("acos", "asin", "atan", "cos", "erf", "erfc", "erfinv", "exp", "log", "log10", "log2", "sin", "sqrt",
+           "tan", "tanh", "trunc")  # fmt: skip
+
+
+def settle_vector_math() -> None:
+    """Call each of `VML_OPS` once on one float32 and one float64 element, on this thread (at import).
+
+    oneMKL 2024.2 resolves a vector-math function's kernel on its first call; when torch's threads make
+    that first call together, each on its chunk of a tensor, one thread can compute its whole chunk with
+    a low-accuracy kernel (pytorch/pytorch#188792: up to ~4,000 ulp for sqrt), and the next call is
+    right again. Here it made whole probes at GPT-2-small width differ from one process to the next in
+    2 of 64 (layer 0's logit row std by up to 7e-6 relative, its cv by 5e-5: the first float32 sqrt)
+    and normalised entropy by an ulp in 2-5 of 40 (the first float64 log); a 1e-12 difference in 84
+    matrices' weight PRs, seen once in 94, has the shape of one thread's chunk of a float64 sqrt. A
+    one-element call runs on one thread, so after this no first call is shared; `python
+    bench/vml_race.py` counts corrupted first calls with and without it (QKGEOM_VML_WARMUP=0 skips
+    this, for that bench's cold arm)."""
+    if os.environ.get("QKGEOM_VML_WARMUP", "1") == "0":
+        return
+    for dtype in (torch.float32, torch.float64):
+        one = torch.full((1,), 0.5, dtype=dtype)
+        for name in VML_OPS:
+            getattr(torch, name)(one)
+
+
+settle_vector_math()

@@ -314,8 +314,9 @@ def attention_entropy(pattern: Tensor, support: Tensor | None = None) -> tuple[T
 @functools.lru_cache(maxsize=8)
 def _log_table(n: int, device: torch.device) -> Tensor:
     """log k for k = 0..n (1 below k = 2) by math.log, on `device`: the same bits whatever the threads
-    (torch.log of a probe's support differed in the last bit in 5-6 of 40 processes on 2 CPU threads,
-    never on 1); made once per length and device, not copied to the device at every layer."""
+    (torch.log of a probe's support once differed in the last bit in 5 of 40 processes on 2 CPU threads:
+    oneMKL's first-call race, see qkgeom.solves.settle_vector_math); made once per length and device,
+    not copied to the device at every layer."""
     return torch.tensor([math.log(i) if i >= 2 else 1.0 for i in range(n + 1)], dtype=torch.float64, device=device)
 
 

@@ -264,3 +264,51 @@ def test_matmul_precision_sets_and_gives_back_through_the_callers_api():
         torch.backends.mkldnn.matmul.fp32_precision = "ieee"
         torch.set_float32_matmul_precision("highest")
     assert torch.get_float32_matmul_precision() == "highest"
+
+
+RECORD_IMPORT = """
+import json, torch
+from torch.overrides import TorchFunctionMode
+calls = []
+class Record(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if args and isinstance(args[0], torch.Tensor):
+            calls.append([getattr(func, "__name__", str(func)), str(args[0].dtype), args[0].numel()])
+        return func(*args, **(kwargs or {}))
+with Record():
+    import qkgeom.solves
+print(json.dumps(calls))
+"""
+
+
+def _mkl_vector_math_ops() -> set[str]:
+    """The torch ops the installed torch computes with oneMKL's vector math, read from its own header."""
+    import re
+
+    header = Path(torch.__file__).parent / "include" / "ATen" / "cpu" / "vml.h"
+    if not header.exists():
+        pytest.skip(f"this torch ships no {header.name}")
+    lines = [ln for ln in header.read_text().splitlines() if not ln.lstrip().startswith("//")]
+    return set(re.findall(r"^IMPLEMENT_VML_MKL\((\w+),", "\n".join(lines), flags=re.M))
+
+
+def test_importing_the_solves_settles_every_vector_math_kernel_on_one_thread():
+    """oneMKL 2024.2 picks a vector-math kernel on a function's first call, and a first call shared by
+    torch's threads can compute one thread's chunk on a low-accuracy kernel (pytorch/pytorch#188792;
+    bench/vml_race.py shows it). Importing qkgeom.solves must call every such op of the installed torch
+    on one float32 and one float64 element (one element: one thread), and QKGEOM_VML_WARMUP=0 none."""
+    import json
+    import os
+    import subprocess
+
+    ops = _mkl_vector_math_ops()
+    assert {"sqrt", "log", "exp"} <= ops, ops  # the header read as torch 2.13 writes it
+    want = {(op, dtype) for op in ops for dtype in ("torch.float32", "torch.float64")}
+    for flag in ("1", "0"):
+        env = {**os.environ, "QKGEOM_VML_WARMUP": flag}
+        out = subprocess.run([sys.executable, "-c", RECORD_IMPORT], env=env, capture_output=True, text=True, check=True)
+        settled = {(name, dtype) for name, dtype, n in json.loads(out.stdout) if n == 1}
+        if flag == "1":
+            assert want <= settled, f"not settled at import: {sorted(want - settled)}"
+        else:
+            assert not want & settled
