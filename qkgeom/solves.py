@@ -139,13 +139,13 @@ def settle_vector_math() -> None:
     oneMKL 2024.2 resolves a vector-math function's kernel on its first call; when torch's threads make
     that first call together, each on its chunk of a tensor, one thread can compute its whole chunk with
     a low-accuracy kernel (pytorch/pytorch#188792: up to ~4,000 ulp for sqrt), and the next call is
-    right again. Here it made whole probes at GPT-2-small width differ from one process to the next in
-    2 of 64 (layer 0's logit row std by up to 7e-6 relative, its cv by 5e-5: the first float32 sqrt)
-    and normalised entropy by an ulp in 2-5 of 40 (the first float64 log); a 1e-12 difference in 84
-    matrices' weight PRs, seen once in 94, has the shape of one thread's chunk of a float64 sqrt. A
-    one-element call runs on one thread, so after this no first call is shared; `python
-    bench/vml_race.py` counts corrupted first calls with and without it (QKGEOM_VML_WARMUP=0 skips
-    this, for that bench's cold arm)."""
+    right again. Here it made whole probes differ from one process to the next: at GPT-2-small width
+    2 of 64 in layer 0's logit row std (up to 7e-6 relative; the first call a float32 sqrt), at the
+    paper preset 1 of 120 in layers 3-5's weight PRs and alphas (7e-10; a float64 sqrt of singular
+    values, one thread's half), and once normalised entropy by an ulp (a float64 log). A one-element
+    call runs on one thread, so after this no first call is shared: `python bench/vml_race.py` counts
+    corrupted first calls with and without it, `bench/probe_repeat.py` whole probes (QKGEOM_VML_WARMUP=0
+    skips this, for their cold arms)."""
     if os.environ.get("QKGEOM_VML_WARMUP", "1") == "0":
         return
     for dtype in (torch.float32, torch.float64):
