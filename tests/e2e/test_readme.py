@@ -38,3 +38,38 @@ def test_readme_block_runs_verbatim(code, tmp_path, monkeypatch, request):
             assert main(["analyze", str(study)]) == 0
             assert main(["report", str(study)]) == 0
             assert (study / "report" / "index.html").is_file()
+
+
+def test_the_tiny_run_table_is_what_the_three_tiny_runs_give(wikitext, tmp_path):
+    """The README's table of the tiny run (two PR conventions, two alpha conventions) against the three
+    runs it names, trained here, at the digits it prints (it went stale once: the alpha default changed)."""
+    import pandas as pd
+
+    from qkgeom.cli import main
+
+    text = (REPO / "README.md").read_text()
+    block = re.search(r"trains the three runs and checks this table:\n\n```\n(.*?)```", text, re.S)
+    assert block, "the README's tiny-run table is gone"
+    lines = [ln.split() for ln in block[1].splitlines()]
+    table = {int(r[0]): [float(v) for v in r[1:]] for r in lines if r[0].isdigit()}
+    runs = {"default": [], "singular": ["--set", "probe.pr_convention='singular'"],
+            "clauset": ["--set", "probe.alpha_convention='clauset'"]}  # fmt: skip
+    layer = {}
+    for name, sets in runs.items():
+        assert main(["train", "tiny", "--out", str(tmp_path / name), "--no-progress", *sets]) == 0
+        rows = pd.read_parquet(tmp_path / name / "geometry.parquet")
+        last = rows[rows["step"] == rows["step"].max()]
+        layer[name] = last[last["head"] == -1].pivot_table(index="layer", columns="metric", values="value")
+        heads = last[(last["head"] >= 0) & (last["metric"] == "key_weight_alpha")]
+        if name == "clauset":
+            assert heads["value"].isna().all()
+            assert set(heads["note"]) == {"alpha=clauset; fewer than 10 eigenvalues in any tail (8 non-zero)"}
+        else:
+            assert heads["value"].notna().all()  # WeightWatcher's small-sample fit of 8 eigenvalues
+    alphas = [f"{w}_weight_alpha" for w in ("query", "key", "value", "output")]
+    assert sorted(table) == [0, 1]
+    for i, printed in table.items():
+        d, s, c = (layer[n].loc[i] for n in runs)
+        measured = [d["key_participation_ratio"], s["key_participation_ratio"], d["key_weight_participation_ratio"],
+                    s["key_weight_participation_ratio"], *d[alphas], *c[alphas]]  # fmt: skip
+        assert measured == pytest.approx(printed, abs=0.0051), f"layer {i}"
