@@ -204,8 +204,34 @@ def package_version() -> str:
         return "unknown"
 
 
+# settings that choose which float kernels a CPU runs, and so a trained run's last digits (README, "What
+# repeats where"); provenance records those that are set
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "QKGEOM_VML_WARMUP")
+CPU_ISA = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")  # the features torch's and oneMKL's kernels pick by
+
+
+def cpu() -> dict[str, Any]:
+    """The CPU a result was made on: model and vendor, the features its kernels are chosen by (Linux:
+    /proc/cpuinfo; elsewhere the model from platform.processor() only), and the vector width torch's own
+    kernels run at on it (torch.backends.cpu.get_cpu_capability())."""
+    info: dict[str, str] = {}
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "vendor_id", "flags"):
+                info.setdefault(key.strip(), value.strip())
+    flags = set(info.get("flags", "").split())
+    return {
+        "model": info.get("model name") or platform.processor() or None,
+        "vendor": info.get("vendor_id"),
+        "isa": [f for f in CPU_ISA if f in flags],
+        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
 def provenance() -> dict[str, Any]:
-    """Where and with what a result was made: git sha, package versions, machine."""
+    """Where and with what a result was made: git sha, package versions, machine (the CPU, and the
+    vector width torch's own kernels run at on it)."""
     root = REPO_ROOT
     try:
         sha = subprocess.run(
@@ -232,6 +258,8 @@ def provenance() -> dict[str, Any]:
         "numpy": np.__version__,
         "python": platform.python_version(),
         "platform": platform.platform(),
+        "cpu": cpu(),
+        "kernel_env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ},
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

@@ -177,6 +177,16 @@ def _rounded(x: float | None, digits: int) -> float | None:
     return None if x is None else round(x, digits)
 
 
+def _cpu(prov: dict) -> str | None:
+    """'<model> (<torch's vector width>[, kernel settings])', None for runs made before provenance named
+    the CPU."""
+    c = prov.get("cpu")
+    if not isinstance(c, dict):
+        return None
+    extra = [c.get("torch_capability")] + [f"{k}={v}" for k, v in (prov.get("kernel_env") or {}).items()]
+    return f"{c.get('model') or c.get('vendor')} ({', '.join(x for x in extra if x)})"
+
+
 def _provenance(a: Analysis) -> pd.DataFrame:
     rows = []
     for run_id in sorted(a.geometry["run_id"].unique()):
@@ -190,6 +200,7 @@ def _provenance(a: Analysis) -> pd.DataFrame:
                 "dirty": prov.get("git_dirty"),
                 "torch": prov.get("torch"),
                 "threads": prov.get("torch_threads"),
+                "cpu": _cpu(prov),
                 "seconds": round(done["elapsed"], 1),
                 "final_valid_loss": _rounded(done.get("final_valid_loss"), 4),
                 "notes": "; ".join(cfg.get("notes", [])),

@@ -118,6 +118,22 @@ def test_a_killed_closed_loop_arm_resumes_to_identical_result(tmp_path):
     pd.testing.assert_frame_equal(a.read_geometry().reset_index(drop=True), b.read_geometry().reset_index(drop=True))
 
 
+def test_a_run_records_the_cpu_and_the_kernel_settings_it_trained_under(tmp_path):
+    """The last digits of a trained run depend on the CPU's float kernels (README, "What repeats where"),
+    so config.json names the CPU, the vector width torch's kernels ran at and any setting that chose it."""
+    import os
+
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}  # torch's scalar kernels: valid on every CPU
+    r = cli("train", "tiny", "--set", "train.steps=4", "--out", str(tmp_path / "r"), "--no-progress", env=env)
+    assert r.returncode == 0, r.stderr
+    prov = json.loads((tmp_path / "r" / "config.json").read_text())["provenance"]
+    assert prov["cpu"]["torch_capability"] == "DEFAULT" and prov["kernel_env"] == {"ATEN_CPU_CAPABILITY": "default"}
+    if sys.platform == "linux":  # the features read from /proc/cpuinfo, as the kernels see them
+        flags = next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split()
+        assert prov["cpu"]["isa"] == [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile") if f in flags]
+        assert prov["cpu"]["model"] and prov["cpu"]["vendor"]
+
+
 def test_corrupt_checkpoint_gives_one_line_error(tmp_path):
     out = tmp_path / "r"
     assert cli("train", "tiny", "--no-progress", "--set", "train.steps=10", "--out", str(out)).returncode == 0
