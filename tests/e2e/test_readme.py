@@ -73,3 +73,31 @@ def test_the_tiny_run_table_is_what_the_three_tiny_runs_give(wikitext, tmp_path)
         measured = [d["key_participation_ratio"], s["key_participation_ratio"], d["key_weight_participation_ratio"],
                     s["key_weight_participation_ratio"], *d[alphas], *c[alphas]]  # fmt: skip
         assert measured == pytest.approx(printed, abs=0.0051), f"layer {i}"
+
+
+def test_every_command_line_in_the_readme_parses():
+    """Each `qkgeom ...` line of the README's shell blocks is accepted by the CLI's parser as written
+    (`a | b` lists alternatives, each parsed; `--help` exits 0), and every study it names exists."""
+    import shlex
+
+    from qkgeom.cli import build_parser
+    from qkgeom.training.sweep import resolve_sweep
+
+    parser, parsed = build_parser(), 0
+    for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+        for line in block.splitlines():
+            code = line.split("#")[0].strip()
+            for command in code.split("&&") if code.startswith("qkgeom ") else []:
+                words = [re.sub(r"<[^>]+>", "x", w) for w in shlex.split(command)[1:]]
+                last = max((i for i, w in enumerate(words) if w == "|"), default=-1)  # `cmd a | b | c rest`
+                choices = words[1 : last + 2 : 2] if last > 0 else []
+                for alternative in [[words[0], c, *words[last + 2 :]] for c in choices] or [words]:
+                    try:
+                        args = parser.parse_args(alternative)
+                    except SystemExit as e:  # --help prints and exits 0; a bad line exits 2
+                        assert e.code == 0, f"README: {command!r} does not parse"
+                        continue
+                    if args.fn.__name__ in ("cmd_study", "cmd_sweep"):
+                        resolve_sweep(args.sweep)  # an unknown study is one line naming the known ones
+                    parsed += 1
+    assert parsed >= 25
