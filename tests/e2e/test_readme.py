@@ -101,3 +101,32 @@ def test_every_command_line_in_the_readme_parses():
                         resolve_sweep(args.sweep)  # an unknown study is one line naming the known ones
                     parsed += 1
     assert parsed >= 25
+
+
+def test_the_readme_lists_every_supported_architecture_as_archs_defines_it():
+    """The README's table of supported model types against qkgeom/probing/archs.py's ARCHS: the same
+    types, and for each whether it is rotary and whether it normalises q and k."""
+    from qkgeom.probing.archs import ARCHS
+
+    text = (REPO / "README.md").read_text()
+    table = re.search(r"\| model type \|.*?\n\|---.*?\n((?:\|.*\n)+)", text)
+    assert table, "the README's table of supported model types is gone"
+    listed = {}
+    for row in table[1].splitlines():
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        for model_type in re.findall(r"`([\w.]+)`", cells[0]):
+            norm = "head" if cells[4].startswith("per head") else "full" if cells[4] == "over all heads" else cells[4]
+            listed[model_type] = (cells[3] != "no", norm)
+    assert sorted(listed) == sorted(ARCHS)
+    for name, arch in ARCHS.items():
+        assert listed[name] == (arch.rotary, arch.qk_norm or "—"), name
+
+
+def test_every_benchmark_is_in_the_readme_and_every_one_it_names_exists():
+    """bench/ holds scripts that print their figures; the README says what each measures. Helpers the
+    scripts import (common.py, cadence.py) are not scripts."""
+    text = (REPO / "README.md").read_text()
+    named, helpers = set(re.findall(r"bench/(\w+\.(?:py|sh))", text)), {"common.py", "cadence.py"}
+    files = {p.name for p in (REPO / "bench").iterdir() if p.suffix in (".py", ".sh")}
+    assert files - helpers <= named, f"benchmarks the README does not name: {sorted(files - helpers - named)}"
+    assert named <= files, f"the README names benchmarks that do not exist: {sorted(named - files)}"
