@@ -31,7 +31,6 @@ every verdict the same (docs/LOG.md, thirteenth session; docs/results/study-keys
 """
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -43,6 +42,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import require_wikitext  # noqa: E402
+
+from qkgeom.results import RunDir  # noqa: E402
 
 PATHS = {
     "own": {},
@@ -59,8 +60,8 @@ def train(preset: str, sets: list[str], out: Path, env: dict[str, str]) -> tuple
                        env={**os.environ, **env})  # fmt: skip
     if r.returncode:
         sys.exit(f"train under {env or 'the own paths'} failed: {r.stderr.strip()[-300:]}")
-    metrics = pd.DataFrame([json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()])
-    return metrics, pd.read_parquet(out / "geometry.parquet")
+    run = RunDir(out)
+    return pd.DataFrame(run.read_metrics()), run.read_geometry()
 
 
 def largest_relative_difference(a: pd.DataFrame, b: pd.DataFrame, step: int) -> float:
@@ -113,13 +114,13 @@ def main() -> None:
         runs = {name: train(a.preset, a.set, Path(tmp) / name, env) for name, env in paths.items()}
     own_metrics, own_geometry = runs["own"]
     first, last = own_geometry["step"].min(), own_geometry["step"].max()
+    own_train = own_metrics[own_metrics["split"] == "train"].set_index("step")["loss"]
     print("| path | first step whose loss differs | final valid loss | rows apart, step 0 | rows apart, last "
           "probe | last PR_Q / PR_K (layer mean) |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     for name, (metrics, geometry) in runs.items():
-        train_a = own_metrics[own_metrics["split"] == "train"].set_index("step")["loss"]
-        train_b = metrics[metrics["split"] == "train"].set_index("step")["loss"]
-        apart = train_a.index[(train_a != train_b.reindex(train_a.index)).to_numpy()]
+        loss = metrics[metrics["split"] == "train"].set_index("step")["loss"]
+        apart = own_train.index[(own_train != loss.reindex(own_train.index)).to_numpy()]
         valid = metrics[metrics["split"] == "valid"]["loss"].iloc[-1]
         layer = geometry[(geometry["step"] == last) & (geometry["head"] == -1)]
         pr = layer.groupby("metric")["value"].mean()

@@ -1,6 +1,7 @@
 """train: end-to-end runs on real WikiText-2, determinism, kill-and-resume, bad input via the CLI."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -121,8 +122,6 @@ def test_a_killed_closed_loop_arm_resumes_to_identical_result(tmp_path):
 def test_a_run_records_the_cpu_and_the_kernel_settings_it_trained_under(tmp_path):
     """The last digits of a trained run depend on the CPU's float kernels (README, "What repeats where"),
     so config.json names the CPU, the vector width torch's kernels ran at and any setting that chose it."""
-    import os
-
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "default"}  # torch's scalar kernels: valid on every CPU
     r = cli("train", "tiny", "--set", "train.steps=4", "--out", str(tmp_path / "r"), "--no-progress", env=env)
     assert r.returncode == 0, r.stderr
