@@ -12,6 +12,7 @@ its digits, keys-cpu's replica row of last-layer PR_K ↔ entropy co-movement, s
 from __future__ import annotations
 
 import csv
+import itertools
 import re
 from pathlib import Path
 
@@ -70,22 +71,21 @@ class CsvCells:
     def __init__(self, root: Path = RESULTS) -> None:
         values: list[float] = []
         rows: list[int] = []
-        n_rows = 0
+        ids = itertools.count()  # one id per CSV record and one per triple found in a text cell
         for path in sorted(root.rglob("*.csv")):
             if "runs" in path.relative_to(root).parts:
                 continue
             with path.open(newline="") as fh:
                 for record in csv.reader(fh):
+                    row = next(ids)
                     for cell in record:
                         try:
                             values.append(float(cell))
-                            rows.append(n_rows)
+                            rows.append(row)
                         except ValueError:
                             for m in TRIPLE.finditer(cell):
-                                n_rows += 1
                                 values += [_value(x) for x in m.groups()]
-                                rows += [n_rows] * 3
-                    n_rows += 1
+                                rows += [next(ids)] * 3
         order = np.argsort(values, kind="stable")  # cells were appended in row order: index = place
         self.values, self.rows, self.places = np.asarray(values)[order], np.asarray(rows)[order], order
 
