@@ -10,12 +10,19 @@ in for a CPU with other features, and compares each with the machine's own path:
     aten-avx2  torch's kernels at AVX2 width (ATEN_CPU_CAPABILITY=avx2; shown only where the CPU has more)
     mkl-avx2   oneMKL's kernels held to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2; Intel CPUs)
     scalar     torch's kernels without vector instructions (ATEN_CPU_CAPABILITY=default)
+    own-1-thread            the own paths at one thread (the portable paths' thread count: their cost's baseline)
+    portable                train.portable (`qkgeom train --portable`: kernels any x86-64 CPU runs alike)
+    portable-mkl-sse42      the same with oneMKL held to SSE4.2, standing in for a CPU with other features
 
 For each: the first step whose training loss differs from the own path's, the final validation loss, the
 largest relative difference of the geometry rows at the first probe (step 0: the untrained forward only)
-and at the last, and the last probe's layer-mean PR_Q and PR_K.
+and at the last, the last probe's layer-mean PR_Q and PR_K, and the seconds the run took. Then whether
+the two portable paths are bit-identical, and the portable run's fingerprint (sha256 of its losses and
+geometry): `--fingerprint FILE` compares it with the one FILE keeps for this preset (made on another CPU:
+docs/results/portable/fingerprint.json), `--write` puts it there.
 
-    python bench/cpu_paths.py [--preset tiny] [--set train.steps=200 ...]
+    python bench/cpu_paths.py [--preset tiny] [--set train.steps=200 ...] [--fingerprint FILE [--write]]
+    python bench/cpu_paths.py --preset tiny --fingerprint docs/results/portable/fingerprint.json --portable-only
 
 A whole study made on two CPUs (the same configs, trained on each, analysed by one qkgeom) is compared
 from its two claims tables: verdicts that differ, each row's shift in units of its interval's half-width,
@@ -31,12 +38,17 @@ every verdict the same (docs/LOG.md, thirteenth session; docs/results/study-keys
 """
 
 import argparse
+import hashlib
+import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import torch
 
@@ -45,23 +57,63 @@ from common import require_wikitext  # noqa: E402
 
 from qkgeom.results import RunDir  # noqa: E402
 
-PATHS = {
-    "own": {},
-    "aten-avx2": {"ATEN_CPU_CAPABILITY": "avx2"},
-    "mkl-avx2": {"MKL_ENABLE_INSTRUCTIONS": "AVX2"},
-    "scalar": {"ATEN_CPU_CAPABILITY": "default"},
+PATHS = {  # name: (environment, further arguments of `qkgeom train`)
+    "own": ({}, []),
+    "aten-avx2": ({"ATEN_CPU_CAPABILITY": "avx2"}, []),
+    "mkl-avx2": ({"MKL_ENABLE_INSTRUCTIONS": "AVX2"}, []),
+    "scalar": ({"ATEN_CPU_CAPABILITY": "default"}, []),
+    "own-1-thread": ({}, ["--set", "train.threads=1"]),
+    "portable": ({}, ["--portable"]),
+    "portable-mkl-sse42": ({"MKL_ENABLE_INSTRUCTIONS": "SSE4_2"}, ["--portable"]),
 }
 
 
-def train(preset: str, sets: list[str], out: Path, env: dict[str, str]) -> tuple[pd.DataFrame, pd.DataFrame]:
-    """(metrics, geometry) of one run trained in a fresh process under `env`."""
-    args = [sys.executable, "-m", "qkgeom.cli", "train", preset, "--out", str(out), "--no-progress"]
+def train(preset: str, sets: list[str], out: Path, env: dict[str, str], extra: list[str] = ()) -> tuple:
+    """(metrics, geometry, seconds) of one run trained in a fresh process under `env`."""
+    args = [sys.executable, "-m", "qkgeom.cli", "train", preset, "--out", str(out), "--no-progress", *extra]
+    tic = time.perf_counter()
     r = subprocess.run(args + [x for s in sets for x in ("--set", s)], capture_output=True, text=True,
                        env={**os.environ, **env})  # fmt: skip
     if r.returncode:
-        sys.exit(f"train under {env or 'the own paths'} failed: {r.stderr.strip()[-300:]}")
+        sys.exit(f"train under {env or 'the own paths'} {' '.join(extra)} failed: {r.stderr.strip()[-300:]}")
     run = RunDir(out)
-    return pd.DataFrame(run.read_metrics()), run.read_geometry()
+    return pd.DataFrame(run.read_metrics()), run.read_geometry(), time.perf_counter() - tic
+
+
+def digest(metrics: pd.DataFrame, geometry: pd.DataFrame) -> str:
+    """sha256 of a run's numbers: each training and validation loss, learning rate and gradient norm by
+    step, and every geometry row's value by (step, layer, head, site, metric); timings left out, NaN as
+    one NaN."""
+    h = hashlib.sha256()
+    m = metrics.sort_values(["step", "split"])
+    g = geometry.sort_values(["step", "layer", "head", "site", "metric"])
+    for frame, cols in ((m, ["loss", "lr", "grad_norm"]), (g, ["value"])):
+        for col in cols:
+            v = frame[col].to_numpy(dtype="<f8", na_value=np.nan)
+            h.update(np.where(np.isnan(v), np.nan, v).astype("<f8").tobytes())
+    h.update(pd.util.hash_pandas_object(g[["step", "layer", "head", "site", "metric"]], index=False).to_numpy())
+    return h.hexdigest()
+
+
+def fingerprint(file: Path, key: str, value: str, write: bool) -> None:
+    """Compare the portable run's digest with the one `file` keeps under `key`; with `write`, keep it."""
+    kept = json.loads(file.read_text()) if file.exists() else {}
+    if write:
+        from qkgeom.results import provenance
+
+        p = provenance()  # the commit too: a later one may change the numbers on purpose; check at this one
+        kept[key] = {"sha256": value, "torch": p["torch"], "libc": " ".join(platform.libc_ver()), "cpu": p["cpu"],
+                     "git_sha": p["git_sha"], "git_dirty": p["git_dirty"]}  # fmt: skip
+        file.parent.mkdir(parents=True, exist_ok=True)
+        file.write_text(json.dumps(kept, indent=2, sort_keys=True) + "\n")
+        print(f"fingerprint of {key} written to {file}")
+    elif key not in kept:
+        print(f"fingerprint: {file} keeps none for {key} (--write puts this one there)")
+    else:
+        k = kept[key]
+        same = "the same bits" if k["sha256"] == value else "OTHER BITS"
+        print(f"fingerprint: {same} as the run {file} keeps for {key}, made on {k['cpu']['model']} "
+              f"({k['cpu']['vendor']}; {k['libc']}; torch {k['torch']}; qkgeom at {k['git_sha'][:10]})")  # fmt: skip
 
 
 def largest_relative_difference(a: pd.DataFrame, b: pd.DataFrame, step: int) -> float:
@@ -97,28 +149,15 @@ def compare(a_csv: Path, b_csv: Path, out: Path | None) -> None:
         table.to_csv(out, index=False, float_format="%.6g")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--preset", default="tiny")
-    ap.add_argument("--set", action="append", default=[], help="a config override for every run")
-    ap.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="two claims.csv of one design")
-    ap.add_argument("--out", type=Path, help="with --compare: write the per-seed table here")
-    a = ap.parse_args()
-    if a.compare:
-        return compare(*a.compare, a.out)
-    require_wikitext()
-    capability = torch.backends.cpu.get_cpu_capability()
-    paths = {k: v for k, v in PATHS.items() if not (k == "aten-avx2" and capability in ("DEFAULT", "AVX2"))}
-    print(f"torch {torch.__version__}, this CPU's own width {capability}; preset {a.preset} {' '.join(a.set)}")
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: train(a.preset, a.set, Path(tmp) / name, env) for name, env in paths.items()}
-    own_metrics, own_geometry = runs["own"]
+def table(runs: dict[str, tuple]) -> None:
+    """Each path against the own one, then the portable paths against each other."""
+    own_metrics, own_geometry, _ = runs["own"]
     first, last = own_geometry["step"].min(), own_geometry["step"].max()
     own_train = own_metrics[own_metrics["split"] == "train"].set_index("step")["loss"]
     print("| path | first step whose loss differs | final valid loss | rows apart, step 0 | rows apart, last "
-          "probe | last PR_Q / PR_K (layer mean) |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
-    for name, (metrics, geometry) in runs.items():
+          "probe | last PR_Q / PR_K (layer mean) | seconds |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, (metrics, geometry, seconds) in runs.items():
         loss = metrics[metrics["split"] == "train"].set_index("step")["loss"]
         apart = own_train.index[(own_train != loss.reindex(own_train.index)).to_numpy()]
         valid = metrics[metrics["split"] == "valid"]["loss"].iloc[-1]
@@ -127,7 +166,41 @@ def main() -> None:
         print(f"| {name} | {apart.min() if len(apart) else 'none'} | {valid:.6f} | "
               f"{largest_relative_difference(own_geometry, geometry, first):.1e} | "
               f"{largest_relative_difference(own_geometry, geometry, last):.1e} | "
-              f"{pr['query_participation_ratio']:.4f} / {pr['key_participation_ratio']:.4f} |")  # fmt: skip
+              f"{pr['query_participation_ratio']:.4f} / {pr['key_participation_ratio']:.4f} | "
+              f"{seconds:.1f} |")  # fmt: skip
+    same = digest(*runs["portable"][:2]) == digest(*runs["portable-mkl-sse42"][:2])
+    print(
+        f"\nportable and portable-mkl-sse42: {'bit-identical' if same else 'NOT bit-identical'}; "
+        f"portable costs {runs['portable'][2] / runs['own-1-thread'][2]:.2f}x the own paths at one thread"
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--set", action="append", default=[], help="a config override for every run")
+    ap.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="two claims.csv of one design")
+    ap.add_argument("--out", type=Path, help="with --compare: write the per-seed table here")
+    ap.add_argument("--fingerprint", type=Path, help="compare the portable run's digest with the one this file keeps")
+    ap.add_argument("--write", action="store_true", help="with --fingerprint: keep this run's digest in the file")
+    ap.add_argument("--portable-only", action="store_true", help="train the portable path only (with --fingerprint)")
+    a = ap.parse_args()
+    if a.compare:
+        return compare(*a.compare, a.out)
+    require_wikitext()
+    capability = torch.backends.cpu.get_cpu_capability()
+    paths = {k: v for k, v in PATHS.items() if not (k == "aten-avx2" and capability in ("DEFAULT", "AVX2"))}
+    if a.portable_only:
+        paths = {"portable": PATHS["portable"]}
+    print(f"torch {torch.__version__}, this CPU's own width {capability}; preset {a.preset} {' '.join(a.set)}")
+    with tempfile.TemporaryDirectory() as tmp:
+        runs = {name: train(a.preset, a.set, Path(tmp) / name, *v) for name, v in paths.items()}
+    if not a.portable_only:
+        table(runs)
+    port = digest(*runs["portable"][:2])
+    print(f"portable run's fingerprint {port[:16]} ({runs['portable'][2]:.1f} s)")
+    if a.fingerprint:
+        fingerprint(a.fingerprint, " ".join([a.preset, *a.set]), port, a.write)
 
 
 if __name__ == "__main__":

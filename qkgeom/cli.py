@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 from qkgeom import config as C
-from qkgeom.studies import records_dir, studies_help, sweep_study
+from qkgeom import device as D
+from qkgeom.studies import asks_portable, records_dir, studies_help, sweep_study
 
 EXAMPLES = """examples:
   qkgeom train tiny                                  train the tiny preset into runs/train/<run-id>
@@ -34,9 +35,19 @@ def _add_set_arg(p: argparse.ArgumentParser, help: str) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
 
 
+def _add_portable_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--portable",
+        action="store_true",
+        help="float kernels any x86-64 CPU runs alike, so runs repeat bit for bit on another CPU (slower; "
+        "= --set train.portable=true, and qkgeom starts again under qkgeom.device.PORTABLE_ENV)",
+    )
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("config", help="a TOML file or a preset name from configs/ (tiny, cpu, paper, ...)")
     _add_set_arg(p, "override a config field, e.g. --set train.lr=3e-4 (repeatable; values parsed as TOML)")
+    _add_portable_arg(p)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -74,6 +85,7 @@ def _add_executor_args(p: argparse.ArgumentParser, what: str) -> None:
 def _add_sweep_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("sweep", help="a sweep TOML file or a study preset (listed below under `study --help`)")
     _add_set_arg(p, "override a config field in every run, e.g. --set train.steps=50 (repeatable)")
+    _add_portable_arg(p)
     _add_output_args(p, "RUNS/<sweep name>")
     workers = (
         "parallel runs (default: one per CPU core, or one per visible GPU for runs on cuda; each gets "
@@ -444,6 +456,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = os.environ.get("QKGEOM_DEBUG", "") not in ("", "0")
     try:
+        if getattr(args, "portable", False):
+            args.overrides.append("train.portable=true")
+        if hasattr(args, "portable") and D.portable_env_missing() and asks_portable(args):
+            return D.rerun_portable(sys.argv[1:] if argv is None else argv)
         return args.fn(args)
     except KeyboardInterrupt:
         print(f"qkgeom {args.command}: interrupted (finished files are kept; {_resume_hint(args)})", file=sys.stderr)

@@ -213,6 +213,7 @@ HASHED_ONLY_IF_SET = {
     "intervention.control_seqs": 0,
     "probe.pr_convention": "variance",
     "probe.alpha_convention": "weightwatcher",
+    "train.portable": False,
 }
 
 
@@ -259,6 +260,7 @@ def validate(cfg: RunConfig) -> None:
         f"train.device must be cpu, cuda, cuda:N or mps, got {t.device!r}",
     )
     need(t.threads >= 0, f"train.threads must be >= 0 (0 = torch's default), got {t.threads}")
+    need(not t.portable or t.device == "cpu", f"train.portable is for CPU runs, got train.device={t.device!r}")
     need(
         SAFE_NAME.fullmatch(cfg.name) is not None,
         f"name {cfg.name!r} may hold only letters, digits and . _ = , + - (it names a folder)",

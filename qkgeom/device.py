@@ -8,7 +8,8 @@ callbacks and the pretrained path under a mode that refuses any such call made b
 module (`converting` tells that mode a conversion is ours).
 
 `check_device` turns a device name into a one-line error when the machine does not have it, naming
-what it has.
+what it has. `PORTABLE_ENV` and `check_portable` hold a run to float kernels that any x86-64 CPU runs
+alike (train.portable).
 """
 
 from __future__ import annotations
@@ -170,6 +171,60 @@ def available() -> list[str]:
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         out.append("mps")
     return out
+
+
+# The settings under which a CPU run takes the same float kernels on any x86-64 CPU, Intel or AMD, AVX2 or
+# AVX-512 (train.portable; README, "What repeats where"). They are read when torch and oneMKL start, so
+# they must be in the environment before Python imports torch: `qkgeom train|sweep|study --portable`
+# starts itself again with them. With a fixed thread count (oneMKL's reproducibility condition; torch's
+# parallel reductions split by it too), a run then repeats bit for bit on another CPU.
+PORTABLE_ENV = {
+    "MKL_CBWR": "COMPATIBLE",  # oneMKL's conditional reproducibility, its SSE2 branch: the one branch
+    # documented to give the same results on Intel and non-Intel CPUs (matrix products, LAPACK, vector math)
+    "ATEN_CPU_CAPABILITY": "default",  # torch's own kernels built without vector instructions
+    "ONEDNN_MAX_CPU_ISA": "SSE41",  # oneDNN (where torch calls it) held to the ISA every x86-64 CPU has
+    "MKL_DYNAMIC": "FALSE",  # the thread count asked for is the one used
+    "OMP_DYNAMIC": "FALSE",
+}
+
+
+def portable_env_missing(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The settings of PORTABLE_ENV that `environ` (default os.environ) lacks or sets otherwise, with
+    the value each needs ({} when all are in place)."""
+    import os
+
+    env = os.environ if environ is None else environ
+    return {k: v for k, v in PORTABLE_ENV.items() if env.get(k, "").upper() != v.upper()}
+
+
+def check_portable() -> None:
+    """DeviceError in one line unless this process runs under PORTABLE_ENV, torch included (it reads
+    ATEN_CPU_CAPABILITY when it starts: a setting made after `import torch` comes too late)."""
+    import torch
+
+    missing = portable_env_missing()
+    if missing:
+        wanted = " ".join(f"{k}={v}" for k, v in missing.items())
+        raise DeviceError(
+            f"train.portable needs {wanted} in the environment before torch starts: run it through "
+            "`qkgeom train|sweep|study --portable`, or set them before Python imports torch"
+        )
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "DEFAULT":
+        raise DeviceError(
+            f"train.portable: torch started before ATEN_CPU_CAPABILITY=default was set and runs its kernels at "
+            f"{capability}; set it before Python imports torch"
+        )
+
+
+def rerun_portable(argv: list[str]) -> int:
+    """Run `python -m qkgeom.cli argv` in a fresh process under PORTABLE_ENV (its output is this one's);
+    its exit code. The CLI's way into train.portable: this process's torch has already started."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.call([sys.executable, "-m", "qkgeom.cli", *argv], env={**os.environ, **PORTABLE_ENV})
 
 
 def check_device(name: str, what: str = "device") -> str:

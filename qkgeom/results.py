@@ -37,6 +37,7 @@ import pandas as pd
 import torch
 
 from qkgeom.config import REPO_ROOT
+from qkgeom.device import PORTABLE_ENV
 from qkgeom.errors import QKGeomError
 
 # note: why a value is NaN (e.g. an alpha fit with too few tail eigenvalues), else empty (null)
@@ -206,7 +207,7 @@ def package_version() -> str:
 
 # settings that choose which float kernels a CPU runs, and so a trained run's last digits (README, "What
 # repeats where"); provenance records those that are set
-KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "ONEDNN_MAX_CPU_ISA", "QKGEOM_VML_WARMUP")
+KERNEL_ENV = (*PORTABLE_ENV, "MKL_ENABLE_INSTRUCTIONS", "QKGEOM_VML_WARMUP")  # train.portable's, and two more
 CPU_ISA = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")  # the features torch's and oneMKL's kernels pick by
 
 

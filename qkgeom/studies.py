@@ -101,6 +101,15 @@ def sweep_study(args: argparse.Namespace) -> tuple:
     return spec, out, res
 
 
+def asks_portable(args: argparse.Namespace) -> bool:
+    """Whether the runs of a train, sweep or study command ask for train.portable (--portable or their config)."""
+    from qkgeom.training.sweep import expand, load_sweep
+
+    if args.command == "train":
+        return C.load(args.config, args.overrides).train.portable
+    return not args.dry_run and any(r.config.train.portable for r in expand(load_sweep(args.sweep, args.overrides)))
+
+
 def records_dir(spec) -> Path | None:
     """Where a study that accumulates across sessions keeps its records ([analysis] records, from the checkout)."""
     from qkgeom.config import REPO_ROOT

@@ -143,6 +143,8 @@ def train(
     """
     C.validate(cfg)
     check_device(cfg.train.device, "train.device")  # before the folder exists: a refused run writes nothing
+    if cfg.train.portable:
+        D.check_portable()
     tb = TensorBoardLog(tensorboard) if tensorboard else None  # a missing package fails before training
     # on cuda the float32 matmuls outside autocast may use TF32 (as nanoGPT's), for this run only: the
     # caller's setting comes back after, and every probe measures in full float32 (device.exact_float32)
@@ -228,8 +230,9 @@ class _Run:
         tic = time.perf_counter()
         self.cfg, self.rd, self.resumed = cfg, rd, resumed
         t, m = cfg.train, cfg.model
-        if t.threads:
-            torch.set_num_threads(t.threads)
+        threads = t.threads or (1 if t.portable else 0)  # portable: a fixed count (reductions split by it)
+        if threads:
+            torch.set_num_threads(threads)
         self.device = t.device  # checked by train() before the folder exists
         try:
             vocab = Vocab.from_json(rd.vocab.read_text()) if resumed else None
