@@ -70,10 +70,10 @@ PATHS = {  # name: (environment, further arguments of `qkgeom train`)
 
 def train(preset: str, sets: list[str], out: Path, env: dict[str, str], extra: list[str] = ()) -> tuple:
     """(metrics, geometry, seconds) of one run trained in a fresh process under `env`."""
-    args = [sys.executable, "-m", "qkgeom.cli", "train", preset, "--out", str(out), "--no-progress", *extra]
-    tic = time.perf_counter()
-    r = subprocess.run(args + [x for s in sets for x in ("--set", s)], capture_output=True, text=True,
-                       env={**os.environ, **env})  # fmt: skip
+    args = [sys.executable, "-m", "qkgeom.cli", "train", preset, "--out", str(out), "--no-progress"]
+    tic = time.perf_counter()  # the path's own arguments last: its --set wins over the shared ones
+    r = subprocess.run(args + [x for s in sets for x in ("--set", s)] + list(extra), capture_output=True,
+                       text=True, env={**os.environ, **env})  # fmt: skip
     if r.returncode:
         sys.exit(f"train under {env or 'the own paths'} {' '.join(extra)} failed: {r.stderr.strip()[-300:]}")
     run = RunDir(out)
