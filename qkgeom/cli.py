@@ -459,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "portable", False):
             args.overrides.append("train.portable=true")
         if hasattr(args, "portable") and D.portable_env_missing() and asks_portable(args):
-            return D.rerun_portable(sys.argv[1:] if argv is None else argv)
+            return D.rerun_portable(sys.argv[1:] if argv is None else argv, replace=argv is None)
         return args.fn(args)
     except KeyboardInterrupt:
         print(f"qkgeom {args.command}: interrupted (finished files are kept; {_resume_hint(args)})", file=sys.stderr)

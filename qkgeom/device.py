@@ -217,14 +217,21 @@ def check_portable() -> None:
         )
 
 
-def rerun_portable(argv: list[str]) -> int:
-    """Run `python -m qkgeom.cli argv` in a fresh process under PORTABLE_ENV (its output is this one's);
-    its exit code. The CLI's way into train.portable: this process's torch has already started."""
+def rerun_portable(argv: list[str], replace: bool) -> int:
+    """Run `python -m qkgeom.cli argv` afresh under PORTABLE_ENV: the CLI's way into train.portable (this
+    process's torch has already started). `replace`: this process becomes it (a signal sent to this pid
+    reaches the run; for the command line); else a child process, its exit code returned (for callers
+    of cli.main, which must get control back)."""
     import os
     import subprocess
     import sys
 
-    return subprocess.call([sys.executable, "-m", "qkgeom.cli", *argv], env={**os.environ, **PORTABLE_ENV})
+    cmd, env = [sys.executable, "-m", "qkgeom.cli", *argv], {**os.environ, **PORTABLE_ENV}
+    if replace:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, cmd, env)
+    return subprocess.call(cmd, env=env)
 
 
 def check_device(name: str, what: str = "device") -> str:
