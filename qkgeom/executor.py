@@ -33,6 +33,8 @@ from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
+from qkgeom.device import PORTABLE_ENV
+
 EXECUTORS = ("local", "ray")
 
 
@@ -199,7 +201,11 @@ def _run_ray(
 ) -> Iterator[tuple[str, Any]]:
     ray = _ray()
     connect(address)
-    task = ray.remote(num_cpus=threads, num_gpus=gpus, max_retries=0)(fn)
+    # a worker's float kernels are fixed when its torch starts: train.portable's settings go with each
+    # task (Ray starts its workers under them), not only to the workers this machine's process spawns
+    env = {k: os.environ[k] for k in PORTABLE_ENV if k in os.environ}
+    options = {"runtime_env": {"env_vars": env}} if env else {}
+    task = ray.remote(num_cpus=threads, num_gpus=gpus, max_retries=0, **options)(fn)
     pending = {task.remote(*job.args): job.key for job in jobs}
     while pending:
         done, _ = ray.wait(list(pending), num_returns=1)

@@ -58,3 +58,18 @@ def test_ray_family_equals_local(tmp_path, local_ray):
     key = ["revision", "site", "layer", "head", "metric"]
     a, b = ga.sort_values(key).reset_index(drop=True), gb.sort_values(key).reset_index(drop=True)
     assert np.allclose(a["value"], b["value"], rtol=1e-6, equal_nan=True)
+
+
+def test_ray_workers_run_portable_under_the_drivers_settings(tmp_path, local_ray, monkeypatch):
+    """Ray's workers were started with the cluster (here before the settings were made): train.portable's
+    settings travel with each task, so its runs take the portable kernels rather than being refused."""
+    from qkgeom.device import PORTABLE_ENV
+
+    for k, v in PORTABLE_ENV.items():
+        monkeypatch.setenv(k, v)  # as `qkgeom sweep --portable` runs: the driver under them
+    spec = S.load_sweep(write_sweep(tmp_path, '"train.seed" = [0, 1]', '"train.steps" = 4\n"train.portable" = true'))
+    res = S.run_sweep(spec, tmp_path / "ray", progress=False, executor="ray", workers=2)
+    assert not res.failed and len(res.done) == 2
+    for rid in res.done:
+        prov = json.loads((tmp_path / "ray" / rid / "config.json").read_text())["provenance"]
+        assert prov["kernel_env"] == PORTABLE_ENV and prov["cpu"]["torch_capability"] == "DEFAULT"
