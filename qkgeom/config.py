@@ -261,6 +261,11 @@ def validate(cfg: RunConfig) -> None:
     )
     need(t.threads >= 0, f"train.threads must be >= 0 (0 = torch's default), got {t.threads}")
     need(not t.portable or t.device == "cpu", f"train.portable is for CPU runs, got train.device={t.device!r}")
+    need(not (t.portable and t.compile), "train.portable runs eager: torch.compile builds kernels for this CPU")
+    need(
+        not t.portable or t.precision != "bf16",
+        "train.portable trains in float32: bf16 matmuls take kernels this CPU's bf16 support picks",
+    )
     need(
         SAFE_NAME.fullmatch(cfg.name) is not None,
         f"name {cfg.name!r} may hold only letters, digits and . _ = , + - (it names a folder)",

@@ -72,9 +72,14 @@ def test_portable_is_refused_where_torch_started_without_its_settings(wikitext, 
         check_portable()
 
 
-def test_portable_is_for_cpu_runs_and_keeps_existing_run_ids():
+def test_portable_is_for_eager_float32_cpu_runs_and_keeps_existing_run_ids():
     with pytest.raises(ConfigError, match=r"train.portable is for CPU runs, got train.device='cuda'"):
         C.validate(C.load("tiny", ["train.portable=true", "train.device=cuda"]))
+    with pytest.raises(ConfigError, match=r"train.portable runs eager"):
+        C.validate(C.load("tiny", ["train.portable=true", "train.compile=true"]))
+    with pytest.raises(ConfigError, match=r"train.portable trains in float32"):
+        C.validate(C.load("tiny", ["train.portable=true", 'train.precision="bf16"']))
+    C.validate(C.load("tiny", ["train.portable=true", 'train.precision="float32"']))  # auto is float32 on a CPU
     cfg = C.load("tiny")
     assert C.run_id(cfg) == C.run_id(C.load("tiny", ["train.portable=false"]))  # committed runs keep their ids
     assert C.run_id(cfg) != C.run_id(C.load("tiny", ["train.portable=true"]))
