@@ -11,7 +11,7 @@ in for a CPU with other features, and compares each with the machine's own path:
     mkl-avx2   oneMKL's kernels held to AVX2 (MKL_ENABLE_INSTRUCTIONS=AVX2; Intel CPUs)
     scalar     torch's kernels without vector instructions (ATEN_CPU_CAPABILITY=default)
     own-1-thread            the own paths at one thread (the portable paths' thread count: their cost's baseline)
-    portable                train.portable (`qkgeom train --portable`: kernels any x86-64 CPU runs alike)
+    portable                train.portable (`qkgeom train --portable`: one code path whatever the vector width)
     portable-mkl-sse42      the same with oneMKL held to SSE4.2, standing in for a CPU with other features
 
 For each: the first step whose training loss differs from the own path's, the final validation loss, the

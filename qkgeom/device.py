@@ -8,8 +8,8 @@ callbacks and the pretrained path under a mode that refuses any such call made b
 module (`converting` tells that mode a conversion is ours).
 
 `check_device` turns a device name into a one-line error when the machine does not have it, naming
-what it has. `PORTABLE_ENV` and `check_portable` hold a run to float kernels that any x86-64 CPU runs
-alike (train.portable).
+what it has. `PORTABLE_ENV` and `check_portable` hold a run to one float code path whatever the CPU's
+vector width (train.portable).
 """
 
 from __future__ import annotations
@@ -173,14 +173,17 @@ def available() -> list[str]:
     return out
 
 
-# The settings under which a CPU run takes the same float kernels on any x86-64 CPU, Intel or AMD, AVX2 or
+# The settings under which a CPU run takes one float code path whatever the CPU's vector width, AVX2 or
 # AVX-512 (train.portable; README, "What repeats where"). They are read when torch and oneMKL start, so
 # they must be in the environment before Python imports torch: `qkgeom train|sweep|study --portable`
 # starts itself again with them. With a fixed thread count (oneMKL's reproducibility condition; torch's
-# parallel reductions split by it too), a run then repeats bit for bit on another CPU.
+# parallel reductions split by it too), a run then repeats bit for bit on another CPU of the same vendor.
+# Not across vendors: 30 of the 62 vector-math kernels of oneMKL's SSE2 branch (sqrt, float64 log among
+# them; torch computes these with oneMKL) start from the rsqrtps / rcpps estimate, whose bits the x86 ISA
+# leaves to the implementation (docs/LOG.md, 2026-12-06).
 PORTABLE_ENV = {
-    "MKL_CBWR": "COMPATIBLE",  # oneMKL's conditional reproducibility, its SSE2 branch: the one branch
-    # documented to give the same results on Intel and non-Intel CPUs (matrix products, LAPACK, vector math)
+    "MKL_CBWR": "COMPATIBLE",  # oneMKL's conditional reproducibility, its SSE2 branch: one code path for
+    # matrix products, LAPACK and vector math on any CPU
     "ATEN_CPU_CAPABILITY": "default",  # torch's own kernels built without vector instructions
     "ONEDNN_MAX_CPU_ISA": "SSE41",  # oneDNN (where torch calls it) held to the ISA every x86-64 CPU has
     "MKL_DYNAMIC": "FALSE",  # the thread count asked for is the one used

@@ -1,11 +1,13 @@
-"""train.portable: float kernels that any x86-64 CPU runs alike, so a run repeats bit for bit on another CPU.
+"""train.portable: one float code path whatever the CPU's vector width, so a run repeats bit for bit on another
+CPU of the same vendor.
 
 Another CPU cannot be had in a test; what it changes can. A CPU picks torch's kernels by its vector
 width and oneMKL's by its instruction set (and vendor). Holding oneMKL to SSE4.2 and torch to its scalar
 kernels stands in for a CPU with other features: outside portable mode it changes a run's bits (the case
-built to fail: the stand-in really moves the kernels), inside it the run keeps every bit. Whether a real
-AMD or Intel machine gives the committed run's bits is what `python bench/cpu_paths.py --fingerprint
-docs/results/portable/fingerprint.json` tells on that machine.
+built to fail: the stand-in really moves the kernels), inside it the run keeps every bit. What the stand-in
+cannot move is the silicon's rsqrtps / rcpps estimates, which oneMKL's SSE2 vector math starts from: across
+vendors the bits are not promised. Whether another machine gives the committed run's bits is what `python
+bench/cpu_paths.py --fingerprint docs/results/portable/fingerprint.json` tells on it.
 """
 
 from __future__ import annotations
