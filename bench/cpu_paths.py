@@ -18,8 +18,8 @@ For each: the first step whose training loss differs from the own path's, the fi
 largest relative difference of the geometry rows at the first probe (step 0: the untrained forward only)
 and at the last, the last probe's layer-mean PR_Q and PR_K, and the seconds the run took. Then whether
 the two portable paths are bit-identical, and the portable run's fingerprint (sha256 of its losses and
-geometry): `--fingerprint FILE` compares it with the one FILE keeps for this preset (made on another CPU:
-docs/results/portable/fingerprint.json), `--write` puts it there.
+geometry): `--fingerprint FILE` compares it with the one FILE keeps for this preset (the project keeps
+those made on its Intel Xeon in docs/results/portable/fingerprint.json), `--write` puts it there.
 
     python bench/cpu_paths.py [--preset tiny] [--set train.steps=200 ...] [--fingerprint FILE [--write]]
     python bench/cpu_paths.py --preset tiny --fingerprint docs/results/portable/fingerprint.json --portable-only
@@ -35,6 +35,9 @@ and for the named primaries the paired per-seed difference against the spread be
 (scalar), 6 (torch at AVX2), 24 (oneMKL at AVX2); by step 150 the final layer-mean PR_K is 1.302 on the
 own path and 1.439 with torch at AVX2. keys-cpu trained on an AMD EPYC and on this Xeon, compared:
 every verdict the same (docs/LOG.md, thirteenth session; docs/results/study-keys-cpu/cross_cpu.csv).
+2026-12-06, same Xeon: the portable paths bit-identical at tiny, smoke and cpu (200 steps), at 1.50x,
+1.87x and 3.30x the own paths' time at one thread; not promised across vendors (docs/LOG.md, fourteenth
+session: oneMKL's SSE2 vector math starts from rsqrtps / rcpps estimates).
 """
 
 import argparse
