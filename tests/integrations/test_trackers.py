@@ -7,6 +7,8 @@ from __future__ import annotations
 import glob
 import json
 import struct
+import time
+import zlib
 
 import pandas as pd
 import pytest
@@ -29,28 +31,44 @@ def folder_means(run) -> dict[int, dict[str, float]]:
     return {int(s): layer_means(rows) for s, rows in g.groupby("step")}
 
 
-def wandb_history(path: str) -> list[dict]:
-    """The history rows of an offline W&B run: its .wandb file is a LevelDB-style log (a 7-byte header,
-    32 KiB blocks of records: crc32, length, type) of protobuf `Record`s (wandb.proto)."""
+def _wandb_records(data: bytes) -> tuple[list, bool]:
+    """The whole records of an offline W&B run's .wandb file, a LevelDB-style log (a 7-byte header, 32 KiB
+    blocks of pieces: crc32 seeded with the piece's type, length, type (1 whole, 2-4 first, middle, last))
+    of protobuf `Record`s (wandb.proto); and whether its exit record is among them. Reading stops at a
+    piece not yet written whole (its length or checksum short)."""
     from wandb.proto import wandb_internal_pb2 as pb
 
-    data, pos, chunk, out = open(path, "rb").read(), 7, b"", []
-    assert data[:4] == b":W&B"
+    pos, chunk, out = 7, b"", []
     while pos + 7 <= len(data):
         left = 32768 - pos % 32768
-        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if left < 7 or (length == 0 and kind == 0):
             pos += left
             continue
-        chunk += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
+        piece = data[pos + 7 : pos + 7 + length]
+        if len(piece) < length or zlib.crc32(piece, zlib.crc32(bytes([kind]))) != crc:
+            break
+        chunk, pos = chunk + piece, pos + 7 + length
         if kind in (1, 4):  # a whole record, or the last piece of one
-            record = pb.Record()
-            record.ParseFromString(chunk)
+            out.append(pb.Record.FromString(chunk))
             chunk = b""
-            if record.WhichOneof("record_type") == "history":
-                out.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in record.history.item})
-    return out
+    return out, any(r.WhichOneof("record_type") == "exit" for r in out)
+
+
+def wandb_history(path: str, timeout: float = 60.0) -> list[dict]:
+    """The history rows of an offline W&B run, once its file holds the exit record: wandb.finish() can
+    return before wandb-core has written the file out (CI on a loaded machine read half a record)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        data = open(path, "rb").read()
+        assert data[:4] == b":W&B"
+        records, done = _wandb_records(data)
+        if done:
+            break
+        assert time.monotonic() < deadline, f"{path} holds no exit record after {timeout:.0f} s"
+        time.sleep(0.2)
+    history = [r.history for r in records if r.WhichOneof("record_type") == "history"]
+    return [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in h.item} for h in history]
 
 
 def test_a_trainer_run_sends_the_scalars_to_every_tracker_report_to_names(tmp_path, monkeypatch):
