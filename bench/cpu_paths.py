@@ -19,10 +19,17 @@ largest relative difference of the geometry rows at the first probe (step 0: the
 and at the last, the last probe's layer-mean PR_Q and PR_K, and the seconds the run took. Then whether
 the two portable paths are bit-identical, and the portable run's fingerprint (sha256 of its losses and
 geometry): `--fingerprint FILE` compares it with the one FILE keeps for this preset (the project keeps
-those made on its Intel Xeon in docs/results/portable/fingerprint.json), `--write` puts it there.
+its own in docs/results/portable/fingerprint.json), `--write` puts it there.
 
     python bench/cpu_paths.py [--preset tiny] [--set train.steps=200 ...] [--fingerprint FILE [--write]]
     python bench/cpu_paths.py --preset tiny --fingerprint docs/results/portable/fingerprint.json --portable-only
+
+Another vendor's silicon cannot be stood in for by settings (its rsqrtps / rcpps estimates differ), but
+qemu's user-mode emulation computes those (and everything else) its own way: `--emulate CPU` trains the
+portable path under `qemu-x86_64 -cpu CPU` (Skylake-Client: Intel, EPYC-Rome: AMD; Debian's qemu-user),
+20-30x slower, and prints its fingerprint to compare with the native one:
+
+    python bench/cpu_paths.py --emulate Skylake-Client --fingerprint docs/results/portable/fingerprint.json
 
 A whole study made on two CPUs (the same configs, trained on each, analysed by one qkgeom) is compared
 from its two claims tables: verdicts that differ, each row's shift in units of its interval's half-width,
@@ -36,8 +43,10 @@ and for the named primaries the paired per-seed difference against the spread be
 own path and 1.439 with torch at AVX2. keys-cpu trained on an AMD EPYC and on this Xeon, compared:
 every verdict the same (docs/LOG.md, thirteenth session; docs/results/study-keys-cpu/cross_cpu.csv).
 2026-12-06, same Xeon: the portable paths bit-identical at tiny, smoke and cpu (200 steps), at 1.50x,
-1.87x and 3.30x the own paths' time at one thread; not promised across vendors (docs/LOG.md, fourteenth
-session: oneMKL's SSE2 vector math starts from rsqrtps / rcpps estimates).
+1.87x and 3.30x the own paths' time at one thread; not across vendors then (docs/LOG.md, fourteenth
+session: oneMKL's SSE2 vector math starts from rsqrtps / rcpps estimates). Fifteenth session, an AMD EPYC
+(AVX-512), with sqrt and log off oneMKL's vector math (device.exact_math): the native portable run and
+the same run emulated as an Intel Skylake and an AMD EPYC-Rome give one fingerprint (docs/LOG.md).
 """
 
 import argparse
@@ -45,6 +54,7 @@ import hashlib
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -58,6 +68,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import require_wikitext  # noqa: E402
 
+from qkgeom.device import PORTABLE_ENV  # noqa: E402
 from qkgeom.results import RunDir  # noqa: E402
 
 PATHS = {  # name: (environment, further arguments of `qkgeom train`)
@@ -71,9 +82,14 @@ PATHS = {  # name: (environment, further arguments of `qkgeom train`)
 }
 
 
-def train(preset: str, sets: list[str], out: Path, env: dict[str, str], extra: list[str] = ()) -> tuple:
-    """(metrics, geometry, seconds) of one run trained in a fresh process under `env`."""
+def train(preset: str, sets: list[str], out: Path, env: dict[str, str], extra: list[str] = (),
+          emulate: str | None = None) -> tuple:  # fmt: skip
+    """(metrics, geometry, seconds) of one run trained in a fresh process under `env`; with `emulate`, in
+    qemu's user-mode emulation of that CPU model, the portable settings set first (the CLI would otherwise
+    start itself again outside the emulator)."""
     args = [sys.executable, "-m", "qkgeom.cli", "train", preset, "--out", str(out), "--no-progress"]
+    if emulate:
+        args, env = ["qemu-x86_64", "-cpu", emulate, *args], {**env, **PORTABLE_ENV}
     tic = time.perf_counter()  # the path's own arguments last: its --set wins over the shared ones
     r = subprocess.run(args + [x for s in sets for x in ("--set", s)] + list(extra), capture_output=True,
                        text=True, env={**os.environ, **env})  # fmt: skip
@@ -187,21 +203,32 @@ def main() -> None:
     ap.add_argument("--fingerprint", type=Path, help="compare the portable run's digest with the one this file keeps")
     ap.add_argument("--write", action="store_true", help="with --fingerprint: keep this run's digest in the file")
     ap.add_argument("--portable-only", action="store_true", help="train the portable path only (with --fingerprint)")
+    ap.add_argument(
+        "--emulate",
+        metavar="CPU",
+        help="train the portable path only, under qemu-x86_64 -cpu CPU "
+        "(e.g. EPYC-Rome, Skylake-Client: another vendor's estimates; needs qemu-user; ~20x slower)",
+    )
     a = ap.parse_args()
     if a.compare:
         return compare(*a.compare, a.out)
     require_wikitext()
     capability = torch.backends.cpu.get_cpu_capability()
     paths = {k: v for k, v in PATHS.items() if not (k == "aten-avx2" and capability in ("DEFAULT", "AVX2"))}
-    if a.portable_only:
+    if a.portable_only or a.emulate:
         paths = {"portable": PATHS["portable"]}
+    if a.emulate and a.write:
+        sys.exit("--write keeps a native run's fingerprint (it records this machine's CPU): not with --emulate")
+    if a.emulate and shutil.which("qemu-x86_64") is None:
+        sys.exit("--emulate needs qemu-x86_64 on PATH (Debian: apt-get install qemu-user)")
     print(f"torch {torch.__version__}, this CPU's own width {capability}; preset {a.preset} {' '.join(a.set)}")
     with tempfile.TemporaryDirectory() as tmp:
-        runs = {name: train(a.preset, a.set, Path(tmp) / name, *v) for name, v in paths.items()}
-    if not a.portable_only:
+        runs = {name: train(a.preset, a.set, Path(tmp) / name, *v, emulate=a.emulate) for name, v in paths.items()}
+    if len(runs) > 1:
         table(runs)
     port = digest(*runs["portable"][:2])
-    print(f"portable run's fingerprint {port[:16]} ({runs['portable'][2]:.1f} s)")
+    where = f", under qemu as {a.emulate}" if a.emulate else ""
+    print(f"portable run's fingerprint {port[:16]} ({runs['portable'][2]:.1f} s{where})")
     if a.fingerprint:
         fingerprint(a.fingerprint, " ".join([a.preset, *a.set]), port, a.write)
 

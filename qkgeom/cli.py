@@ -39,8 +39,8 @@ def _add_portable_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--portable",
         action="store_true",
-        help="one float code path whatever the CPU's vector width, so runs repeat bit for bit on another CPU of "
-        "the same vendor (slower; = --set train.portable=true; qkgeom restarts under qkgeom.device.PORTABLE_ENV)",
+        help="one float code path whatever the CPU, so runs repeat bit for bit on another x86-64 CPU, Intel or "
+        "AMD (slower; = --set train.portable=true; qkgeom restarts under qkgeom.device.PORTABLE_ENV)",
     )
 
 

@@ -8,8 +8,8 @@ callbacks and the pretrained path under a mode that refuses any such call made b
 module (`converting` tells that mode a conversion is ours).
 
 `check_device` turns a device name into a one-line error when the machine does not have it, naming
-what it has. `PORTABLE_ENV` and `check_portable` hold a run to one float code path whatever the CPU's
-vector width (train.portable).
+what it has. `PORTABLE_ENV`, `check_portable` and `exact_math` hold a run to one float code path
+whatever the CPU (train.portable).
 """
 
 from __future__ import annotations
@@ -173,22 +173,105 @@ def available() -> list[str]:
     return out
 
 
-# The settings under which a CPU run takes one float code path whatever the CPU's vector width, AVX2 or
-# AVX-512 (train.portable; README, "What repeats where"). They are read when torch and oneMKL start, so
-# they must be in the environment before Python imports torch: `qkgeom train|sweep|study --portable`
-# starts itself again with them. With a fixed thread count (oneMKL's reproducibility condition; torch's
-# parallel reductions split by it too), a run then repeats bit for bit on another CPU of the same vendor.
-# Not across vendors: 30 of the 62 vector-math kernels of oneMKL's SSE2 branch (sqrt, float64 log among
-# them; torch computes these with oneMKL) start from the rsqrtps / rcpps estimate, whose bits the x86 ISA
-# leaves to the implementation (docs/LOG.md, 2026-12-06).
+# The settings under which a CPU run takes one float code path whatever the CPU, its vector width (AVX2 or
+# AVX-512) and its vendor (train.portable; README, "What repeats where"). They are read when torch and
+# oneMKL start, so they must be in the environment before Python imports torch: `qkgeom train|sweep|study
+# --portable` starts itself again with them. With a fixed thread count (oneMKL's reproducibility
+# condition; torch's parallel reductions split by it too) and `exact_math` (which check_portable turns
+# on: sqrt and log kept off oneMKL's vector math, whose SSE2 kernels start from the rsqrtps / rcpps
+# estimate, and those bits differ between vendors), a run then repeats bit for bit on another x86-64
+# CPU with the same torch build and C library (docs/LOG.md, 2026-12-06 and fifteenth session).
 PORTABLE_ENV = {
     "MKL_CBWR": "COMPATIBLE",  # oneMKL's conditional reproducibility, its SSE2 branch: one code path for
-    # matrix products, LAPACK and vector math on any CPU
+    # matrix products, LAPACK and vector math on any CPU (the last with estimates: exact_math)
     "ATEN_CPU_CAPABILITY": "default",  # torch's own kernels built without vector instructions
     "ONEDNN_MAX_CPU_ISA": "SSE41",  # oneDNN (where torch calls it) held to the ISA every x86-64 CPU has
     "MKL_DYNAMIC": "FALSE",  # the thread count asked for is the one used
     "OMP_DYNAMIC": "FALSE",
+    # numpy's AVX-512 loops (its own float64 log, exp, power: other bits than the AVX2 CPUs' glibc
+    # calls); numpy >= 2.4 names them so
+    "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR",
 }
+
+
+# oneMKL's vector-math kernels that start from the rsqrtps / rcpps estimate (objdump of its SSE2 branch,
+# docs/LOG.md 2026-12-06), among the ops torch computes with it (solves.VML_OPS). train.portable computes
+# the first two another way (`exact_math`) and refuses the rest, which no qkgeom run calls.
+ESTIMATED_OPS = ("sqrt", "log", "acos", "asin", "atan", "log10", "log2", "tan")
+_EXACT_LIB: list = []  # the torch.library registration, kept alive for the process (once made, it stays)
+
+
+def _exact_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """numpy's square root: the CPU's own instruction, correctly rounded (IEEE 754) on every CPU."""
+    import numpy as np
+    import torch
+
+    if x.dtype == torch.bfloat16:  # in float32, rounded once more: still correctly rounded
+        return _exact_sqrt(x.float()).to(torch.bfloat16)
+    if not (x.is_floating_point() or x.is_complex()):
+        x = x.to(torch.get_default_dtype())
+    return torch.from_numpy(np.sqrt(x.detach().numpy())).reshape(x.shape)
+
+
+def _exact_log(x: torch.Tensor) -> torch.Tensor:
+    """glibc's log, through torch's xlogy (x * log(y), here 1 * log(y): exact), or numpy's for complex."""
+    import numpy as np
+    import torch
+
+    if x.is_complex():
+        return torch.from_numpy(np.log(x.detach().numpy())).reshape(x.shape)
+    return torch.xlogy(1, x)
+
+
+def _refused(name: str) -> Callable:
+    def kernel(*args: object, **kwargs: object) -> None:
+        raise DeviceError(
+            f"train.portable: torch.{name} on CPU runs oneMKL code whose bits differ between CPU vendors; "
+            "qkgeom's portable mode does not compute it"
+        )
+
+    return kernel
+
+
+def _out_variant(fn: Callable) -> Callable:
+    def kernel(x: torch.Tensor, *, out: torch.Tensor) -> torch.Tensor:
+        y = fn(x)
+        out.resize_(y.shape)
+        return out.copy_(y)
+
+    return kernel
+
+
+def _in_place(fn: Callable) -> Callable:
+    return lambda x: x.copy_(fn(x))
+
+
+def exact_math() -> None:
+    """From now on, in this process, torch computes sqrt and log on CPU tensors without oneMKL's
+    vector math, whose bits differ from one CPU vendor to another (docs/LOG.md, 2026-12-06), and
+    refuses acos, asin, atan, log10, log2 and tan (DeviceError) rather than compute them there.
+
+    sqrt is the CPU's square-root instruction (numpy's), correctly rounded by IEEE 754 on every CPU;
+    log is glibc's (torch's xlogy with x = 1), one code on any x86-64 CPU with AVX2 and FMA. They are
+    registered as torch's CPU kernels, so autograd, the optimisers and every caller get them. For
+    train.portable (check_portable calls it); a second call does nothing."""
+    if _EXACT_LIB:
+        return
+    import warnings
+
+    import torch
+
+    lib = torch.library.Library("aten", "IMPL")
+    with warnings.catch_warnings():  # torch warns that each replaces its own kernel: that is the point
+        warnings.simplefilter("ignore")
+        for name, fn in (("sqrt", _exact_sqrt), ("log", _exact_log)):
+            lib.impl(name, fn, "CPU")
+            lib.impl(f"{name}.out", _out_variant(fn), "CPU")
+            lib.impl(f"{name}_", _in_place(fn), "CPU")
+        for name in ESTIMATED_OPS[2:]:
+            for overload in (name, f"{name}.out", f"{name}_"):
+                lib.impl(overload, _refused(name), "CPU")
+    _EXACT_LIB.append(lib)
 
 
 def portable_env_missing(environ: dict[str, str] | None = None) -> dict[str, str]:
@@ -218,6 +301,15 @@ def check_portable() -> None:
             f"train.portable: torch started before ATEN_CPU_CAPABILITY=default was set and runs its kernels at "
             f"{capability}; set it before Python imports torch"
         )
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+
+    wide = [t for t in __cpu_dispatch__ if t.startswith(("X86_V4", "AVX512")) and __cpu_features__.get(t)]
+    if wide:
+        raise DeviceError(
+            f"train.portable: numpy runs its {' '.join(wide)} loops; it needs NPY_DISABLE_CPU_FEATURES to name "
+            "them before numpy starts (PORTABLE_ENV names numpy >= 2.4's)"
+        )
+    exact_math()
 
 
 def rerun_portable(argv: list[str], replace: bool) -> int:

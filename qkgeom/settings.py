@@ -163,10 +163,10 @@ class TrainConfig:
     threads: int = 0
     """torch intra-op threads; 0 leaves torch's default (with `portable`: 1)."""
     portable: bool = False
-    """One float code path whatever the CPU's vector width (AVX2 or AVX-512): oneMKL's COMPATIBLE branch,
-    torch's kernels without vector instructions, a fixed thread count (`threads`, 1 when 0), so the run
-    repeats bit for bit on another CPU of the same vendor with the same torch, not across vendors
-    (qkgeom.device.PORTABLE_ENV says why). Slower:
+    """One float code path whatever the CPU (vector width, vendor): oneMKL's COMPATIBLE branch, torch's
+    kernels without vector instructions, sqrt and log off oneMKL's vector math (device.exact_math), a
+    fixed thread count (`threads`, 1 when 0), so the run repeats bit for bit on another x86-64 CPU, Intel
+    or AMD, with the same torch build and C library (qkgeom.device.PORTABLE_ENV). Slower:
     1.9x at the smoke preset, 3.3x at the cpu preset, one thread each (bench/cpu_paths.py). CPU, float32
     and eager only; the settings must be in place before torch starts (`qkgeom train|sweep|study
     --portable` sees to it)."""

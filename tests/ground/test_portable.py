@@ -1,13 +1,15 @@
-"""train.portable: one float code path whatever the CPU's vector width, so a run repeats bit for bit on another
-CPU of the same vendor.
+"""train.portable: one float code path whatever the CPU, so a run repeats bit for bit on another x86-64 CPU,
+Intel or AMD.
 
 Another CPU cannot be had in a test; what it changes can. A CPU picks torch's kernels by its vector
 width and oneMKL's by its instruction set (and vendor). Holding oneMKL to SSE4.2 and torch to its scalar
 kernels stands in for a CPU with other features: outside portable mode it changes a run's bits (the case
 built to fail: the stand-in really moves the kernels), inside it the run keeps every bit. What the stand-in
-cannot move is the silicon's rsqrtps / rcpps estimates, which oneMKL's SSE2 vector math starts from: across
-vendors the bits are not promised. Whether another machine gives the committed run's bits is what `python
-bench/cpu_paths.py --fingerprint docs/results/portable/fingerprint.json` tells on it.
+cannot move is the silicon's rsqrtps / rcpps estimates, which oneMKL's SSE2 vector math starts from: the
+portable mode computes sqrt and log without it (device.exact_math), checked here against the IEEE square
+root and glibc's log called apart from torch. Whether another machine gives the committed run's bits is
+what `python bench/cpu_paths.py --fingerprint docs/results/portable/fingerprint.json` tells on it, and
+`--emulate CPU` under qemu on this one.
 """
 
 from __future__ import annotations
@@ -85,3 +87,77 @@ def test_portable_is_for_eager_float32_cpu_runs_and_keeps_existing_run_ids():
     cfg = C.load("tiny")
     assert C.run_id(cfg) == C.run_id(C.load("tiny", ["train.portable=false"]))  # committed runs keep their ids
     assert C.run_id(cfg) != C.run_id(C.load("tiny", ["train.portable=true"]))
+
+
+_EXACT_MATH = r"""
+import ctypes, json, math, sys
+import numpy as np, torch
+from qkgeom import device as D
+
+rng = np.random.default_rng(0)
+x64 = np.concatenate([rng.uniform(0, 100, 100_000), 1 + rng.uniform(-1e-3, 1e-3, 50_000),
+                      np.ldexp(rng.uniform(1, 2, 50_000), rng.integers(-100, 100, 50_000))])
+x32 = x64.astype(np.float32)
+sqrt32_cr = np.sqrt(x32.astype(np.float64)).astype(np.float32)  # correctly rounded: 53 bits >= 2 x 24 + 2
+logf = ctypes.CDLL("libm.so.6").logf
+logf.restype, logf.argtypes = ctypes.c_float, [ctypes.c_float]
+some = rng.choice(len(x64), 4000, replace=False)
+log64_glibc, log32_glibc = [math.log(x64[i]) for i in some], [logf(float(x32[i])) for i in some]
+
+def counts():
+    t32, t64 = torch.from_numpy(x32.copy()), torch.from_numpy(x64.copy())
+    return [int((t32.sqrt().numpy() != sqrt32_cr).sum()),
+            int((t64.sqrt().numpy() != np.array([math.sqrt(v) for v in x64])).sum()),
+            int((t64.log().numpy()[some] != np.array(log64_glibc)).sum()),
+            int((t32.log().numpy()[some] != np.array(log32_glibc, dtype=np.float32)).sum())]
+
+before = counts()
+D.exact_math(); D.exact_math()  # once, then nothing
+after = counts()
+y = torch.empty(0)
+torch.sqrt(torch.tensor([4.0, 2.0]), out=y)
+z = torch.tensor([9.0, 0.25]); z.sqrt_()
+w = torch.tensor([4.0, 16.0], requires_grad=True); torch.sqrt(w).sum().backward()
+specials = torch.log(torch.tensor([0.0, -1.0, math.inf, math.nan, 1.0])).tolist()
+others = [torch.tensor([4, 9]).sqrt().tolist(), torch.tensor([6.25], dtype=torch.bfloat16).sqrt().item()]
+try:
+    torch.atan(torch.ones(3)); refused = ""
+except D.DeviceError as e:
+    refused = str(e)
+print(json.dumps([before, after, y.tolist(), z.tolist(), w.grad.tolist(), specials, others, refused]))
+"""
+
+
+def test_portable_math_takes_no_estimate_of_the_silicon():
+    """sqrt and log, where oneMKL's vector math under MKL_CBWR=COMPATIBLE starts from rsqrtps / rcpps
+    (whose bits differ between CPU vendors), agree under exact_math with the IEEE square root and glibc's
+    log called apart from torch; the first measure shows oneMKL's own differ (the case built to fail)."""
+    env = {**os.environ, **PORTABLE_ENV}
+    r = subprocess.run([sys.executable, "-c", _EXACT_MATH], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-800:]
+    before, after, out, in_place, grad, specials, others, refused = json.loads(r.stdout.strip().splitlines()[-1])
+    assert before[0] > 1000 and before[1] > 100 and before[2] > 10  # oneMKL's: not the IEEE / glibc results
+    assert after == [0, 0, 0, 0]
+    assert out == [2.0, float(np.float32(2.0**0.5))] and in_place == [3.0, 0.5] and grad == [0.25, 0.125]
+    assert specials[0] == float("-inf") and specials[2] == float("inf") and specials[4] == 0.0
+    assert np.isnan(specials[1]) and np.isnan(specials[3])
+    assert others == [[2.0, 3.0], 2.5]
+    assert refused.startswith("train.portable: torch.atan on CPU runs oneMKL code whose bits differ")
+
+
+def test_portable_is_refused_where_numpy_started_with_its_avx512_loops():
+    """numpy's AVX-512 float64 log, exp and power give other bits than the glibc calls it makes on an AVX2
+    CPU; PORTABLE_ENV turns them off, and a numpy that started before that is refused."""
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+
+    if not any(__cpu_features__.get(t) for t in __cpu_dispatch__ if t.startswith(("X86_V4", "AVX512"))):
+        pytest.skip("this CPU has no AVX-512: numpy has no wide loops to refuse here")
+    code = (
+        "import os, numpy\nfrom qkgeom.device import PORTABLE_ENV, check_portable\n"
+        "os.environ.update(PORTABLE_ENV)\ncheck_portable()"
+    )
+    env = {k: v for k, v in {**os.environ, **PORTABLE_ENV}.items() if k != "NPY_DISABLE_CPU_FEATURES"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert r.returncode == 1 and "DeviceError: train.portable: numpy runs its X86_V4" in r.stderr, r.stderr[-500:]
+    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **PORTABLE_ENV}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
