@@ -210,7 +210,7 @@ def _exact_sqrt(x: torch.Tensor) -> torch.Tensor:
         return _exact_sqrt(x.float()).to(torch.bfloat16)
     if not (x.is_floating_point() or x.is_complex()):
         x = x.to(torch.get_default_dtype())
-    return torch.from_numpy(np.sqrt(x.detach().numpy())).reshape(x.shape)
+    return torch.from_numpy(np.asarray(np.sqrt(x.detach().numpy()))).reshape(x.shape)  # 0-dim: a scalar
 
 
 def _exact_log(x: torch.Tensor) -> torch.Tensor:
@@ -219,7 +219,7 @@ def _exact_log(x: torch.Tensor) -> torch.Tensor:
     import torch
 
     if x.is_complex():
-        return torch.from_numpy(np.log(x.detach().numpy())).reshape(x.shape)
+        return torch.from_numpy(np.asarray(np.log(x.detach().numpy()))).reshape(x.shape)
     return torch.xlogy(1, x)
 
 
@@ -301,7 +301,10 @@ def check_portable() -> None:
             f"train.portable: torch started before ATEN_CPU_CAPABILITY=default was set and runs its kernels at "
             f"{capability}; set it before Python imports torch"
         )
-    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    except ImportError:  # numpy < 2
+        from numpy.core._multiarray_umath import __cpu_dispatch__, __cpu_features__
 
     wide = [t for t in __cpu_dispatch__ if t.startswith(("X86_V4", "AVX512")) and __cpu_features__.get(t)]
     if wide:

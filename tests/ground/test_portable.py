@@ -119,7 +119,8 @@ torch.sqrt(torch.tensor([4.0, 2.0]), out=y)
 z = torch.tensor([9.0, 0.25]); z.sqrt_()
 w = torch.tensor([4.0, 16.0], requires_grad=True); torch.sqrt(w).sum().backward()
 specials = torch.log(torch.tensor([0.0, -1.0, math.inf, math.nan, 1.0])).tolist()
-others = [torch.tensor([4, 9]).sqrt().tolist(), torch.tensor([6.25], dtype=torch.bfloat16).sqrt().item()]
+others = [torch.tensor([4, 9]).sqrt().tolist(), torch.tensor([6.25], dtype=torch.bfloat16).sqrt().item(),
+          torch.tensor(2.25).sqrt().item(), torch.tensor(1.0).log().item(), str(torch.tensor(-4 + 0j).sqrt().item())]
 try:
     torch.atan(torch.ones(3)); refused = ""
 except D.DeviceError as e:
@@ -141,7 +142,7 @@ def test_portable_math_takes_no_estimate_of_the_silicon():
     assert out == [2.0, float(np.float32(2.0**0.5))] and in_place == [3.0, 0.5] and grad == [0.25, 0.125]
     assert specials[0] == float("-inf") and specials[2] == float("inf") and specials[4] == 0.0
     assert np.isnan(specials[1]) and np.isnan(specials[3])
-    assert others == [[2.0, 3.0], 2.5]
+    assert others == [[2.0, 3.0], 2.5, 1.5, 0.0, "2j"]  # int and bfloat16 inputs, 0-dim, complex
     assert refused.startswith("train.portable: torch.atan on CPU runs oneMKL code whose bits differ")
 
 
