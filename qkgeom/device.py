@@ -195,32 +195,36 @@ PORTABLE_ENV = {
 
 
 # oneMKL's vector-math kernels that start from the rsqrtps / rcpps estimate (objdump of its SSE2 branch,
-# docs/LOG.md 2026-12-06), among the ops torch computes with it (solves.VML_OPS). train.portable computes
-# the first two another way (`exact_math`) and refuses the rest, which no qkgeom run calls.
-ESTIMATED_OPS = ("sqrt", "log", "acos", "asin", "atan", "log10", "log2", "tan")
+# docs/LOG.md 2026-12-06), among the ops torch computes with it (solves.VML_OPS), are sqrt, log and these:
+# train.portable computes sqrt and log another way (`exact_math`) and refuses these, which no qkgeom run calls.
+REFUSED_OPS = ("acos", "asin", "atan", "log10", "log2", "tan")
 _EXACT_LIB: list = []  # the torch.library registration, kept alive for the process (once made, it stays)
+
+
+def _numpy_op(name: str, x: torch.Tensor) -> torch.Tensor:
+    """numpy's ufunc `name` on a CPU tensor (a 0-dim input gives numpy a scalar: made an array again)."""
+    import numpy as np
+    import torch
+
+    return torch.from_numpy(np.asarray(getattr(np, name)(x.detach().numpy()))).reshape(x.shape)
 
 
 def _exact_sqrt(x: torch.Tensor) -> torch.Tensor:
     """numpy's square root: the CPU's own instruction, correctly rounded (IEEE 754) on every CPU."""
-    import numpy as np
     import torch
 
     if x.dtype == torch.bfloat16:  # in float32, rounded once more: still correctly rounded
         return _exact_sqrt(x.float()).to(torch.bfloat16)
     if not (x.is_floating_point() or x.is_complex()):
         x = x.to(torch.get_default_dtype())
-    return torch.from_numpy(np.asarray(np.sqrt(x.detach().numpy()))).reshape(x.shape)  # 0-dim: a scalar
+    return _numpy_op("sqrt", x)
 
 
 def _exact_log(x: torch.Tensor) -> torch.Tensor:
     """glibc's log, through torch's xlogy (x * log(y), here 1 * log(y): exact), or numpy's for complex."""
-    import numpy as np
     import torch
 
-    if x.is_complex():
-        return torch.from_numpy(np.asarray(np.log(x.detach().numpy()))).reshape(x.shape)
-    return torch.xlogy(1, x)
+    return _numpy_op("log", x) if x.is_complex() else torch.xlogy(1, x)
 
 
 def _refused(name: str) -> Callable:
@@ -268,7 +272,7 @@ def exact_math() -> None:
             lib.impl(name, fn, "CPU")
             lib.impl(f"{name}.out", _out_variant(fn), "CPU")
             lib.impl(f"{name}_", _in_place(fn), "CPU")
-        for name in ESTIMATED_OPS[2:]:
+        for name in REFUSED_OPS:
             for overload in (name, f"{name}.out", f"{name}_"):
                 lib.impl(overload, _refused(name), "CPU")
     _EXACT_LIB.append(lib)
@@ -281,6 +285,17 @@ def portable_env_missing(environ: dict[str, str] | None = None) -> dict[str, str
 
     env = os.environ if environ is None else environ
     return {k: v for k, v in PORTABLE_ENV.items() if env.get(k, "").upper() != v.upper()}
+
+
+def numpy_wide_loops() -> list[str]:
+    """numpy's AVX-512 dispatch targets this process runs (numpy >= 2.4 names them X86_V4, AVX512_ICL,
+    AVX512_SPR; older ones AVX512F, AVX512_SKX, ...): none under PORTABLE_ENV."""
+    try:
+        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    except ImportError:  # numpy < 2
+        from numpy.core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+
+    return [t for t in __cpu_dispatch__ if t.startswith(("X86_V4", "AVX512")) and __cpu_features__.get(t)]
 
 
 def check_portable() -> None:
@@ -301,12 +316,7 @@ def check_portable() -> None:
             f"train.portable: torch started before ATEN_CPU_CAPABILITY=default was set and runs its kernels at "
             f"{capability}; set it before Python imports torch"
         )
-    try:
-        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
-    except ImportError:  # numpy < 2
-        from numpy.core._multiarray_umath import __cpu_dispatch__, __cpu_features__
-
-    wide = [t for t in __cpu_dispatch__ if t.startswith(("X86_V4", "AVX512")) and __cpu_features__.get(t)]
+    wide = numpy_wide_loops()
     if wide:
         raise DeviceError(
             f"train.portable: numpy runs its {' '.join(wide)} loops; it needs NPY_DISABLE_CPU_FEATURES to name "

@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 
 from qkgeom import config as C
-from qkgeom.device import PORTABLE_ENV, DeviceError, check_portable, portable_env_missing
+from qkgeom.device import PORTABLE_ENV, DeviceError, check_portable, numpy_wide_loops, portable_env_missing
 from qkgeom.errors import ConfigError
 from qkgeom.results import RunDir
 from qkgeom.training.loop import train
@@ -149,9 +149,7 @@ def test_portable_math_takes_no_estimate_of_the_silicon():
 def test_portable_is_refused_where_numpy_started_with_its_avx512_loops():
     """numpy's AVX-512 float64 log, exp and power give other bits than the glibc calls it makes on an AVX2
     CPU; PORTABLE_ENV turns them off, and a numpy that started before that is refused."""
-    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
-
-    if not any(__cpu_features__.get(t) for t in __cpu_dispatch__ if t.startswith(("X86_V4", "AVX512"))):
+    if not numpy_wide_loops():
         pytest.skip("this CPU has no AVX-512: numpy has no wide loops to refuse here")
     code = (
         "import os, numpy\nfrom qkgeom.device import PORTABLE_ENV, check_portable\n"
