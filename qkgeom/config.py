@@ -36,10 +36,15 @@ from qkgeom.settings import (  # noqa: F401 (the config types, C.RunConfig, ...:
     TrainConfig,
 )
 
-# The checkout this package runs from (an editable install): the one place that derives it from
-# __file__, so that moving a module never moves what it points at. configs/ lies in it, and the
-# shared WikiText mirror beside it (training.data.wikitext_mirror).
-REPO_ROOT = Path(__file__).resolve().parent.parent
+# Where this package runs from: the one place that derives it from __file__, so that moving a module
+# never moves what it points at. From a checkout (an editable install, or a clone on PYTHONPATH) REPO_ROOT
+# is the clone: configs/, docs/results/ and git lie in it, the shared WikiText mirror beside it
+# (training.data.wikitext_mirror). From an installed wheel there is no checkout: the presets ship inside
+# the package (pyproject's package-dir maps configs/ to qkgeom/configs/), and what a study keeps in the
+# project (its records) goes under the current directory instead (project_path).
+PACKAGE_DIR = Path(__file__).resolve().parent
+REPO_ROOT = PACKAGE_DIR.parent
+IN_CHECKOUT = (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "configs").is_dir()
 
 QK_INITS = ("independent", "orthogonal", "tied", "anti_tied")
 # the arm kinds (which, their targets, ratio rules, matchings) live in qkgeom.arms (KINDS)
@@ -164,7 +169,13 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
     return from_dict(apply_overrides(data, overrides or []))
 
 
-CONFIG_DIR = REPO_ROOT / "configs"
+CONFIG_DIR = REPO_ROOT / "configs" if IN_CHECKOUT else PACKAGE_DIR / "configs"
+
+
+def project_path(rel: str | Path) -> Path:
+    """A path the project keeps (a study's records, docs/results/<study>/runs): in the checkout qkgeom
+    runs from, else (an installed wheel) under the current directory."""
+    return (REPO_ROOT if IN_CHECKOUT else Path.cwd()) / rel
 
 
 def resolve_preset(path: str | Path) -> Path:

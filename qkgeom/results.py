@@ -230,29 +230,32 @@ def cpu() -> dict[str, Any]:
     }
 
 
+def git_state(root: Path) -> tuple[str | None, bool]:
+    """(commit, dirty) of the checkout at `root`; (None, False) where `root` is not the top of a git
+    checkout, as for a wheel installed in a venv inside another project's repository (that repository's
+    commit says nothing about the qkgeom that ran). Dirty: changes to tracked files, or new files outside
+    docs/results/ (a study writing its own records there, as an accumulating study does, does not make
+    the code it runs dirty)."""
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+
+    try:
+        head = git("rev-parse", "--show-toplevel", "HEAD")
+        top, _, sha = head.stdout.strip().partition("\n")
+        if head.returncode or Path(top).resolve() != root.resolve():
+            return None, False
+        return sha, bool(git("status", "--porcelain", "--", ".", ":(exclude)docs/results").stdout.strip())
+    except (OSError, subprocess.SubprocessError):
+        return None, False
+
+
 def provenance() -> dict[str, Any]:
     """Where and with what a result was made: git sha, package versions, machine (the CPU, and the
     vector width torch's own kernels run at on it)."""
-    root = REPO_ROOT
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10
-        ).stdout.strip()
-        # dirty: changes to tracked files, or new files outside docs/results/ (a study writing its own
-        # records there, as an accumulating study does, does not make the code it runs dirty)
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--", ".", ":(exclude)docs/results"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        ).stdout
-        dirty = bool(status.strip())
-    except (OSError, subprocess.SubprocessError):
-        sha, dirty = "", False
-
+    sha, dirty = git_state(REPO_ROOT)
     return {
-        "git_sha": sha or None,
+        "git_sha": sha,
         "git_dirty": dirty,
         "qkgeom": package_version(),
         "torch": torch.__version__,

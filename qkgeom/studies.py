@@ -111,11 +111,10 @@ def asks_portable(args: argparse.Namespace) -> bool:
 
 
 def records_dir(spec) -> Path | None:
-    """Where a study that accumulates across sessions keeps its records ([analysis] records, from the checkout)."""
-    from qkgeom.config import REPO_ROOT
-
+    """Where a study that accumulates across sessions keeps its records ([analysis] records: in the
+    checkout, or under the current directory where qkgeom is installed from a wheel)."""
     rel = spec.analysis.get("records")
-    return REPO_ROOT / rel if rel else None
+    return C.project_path(rel) if rel else None
 
 
 def _recorded(records: Path | None) -> set[str]:
