@@ -167,9 +167,13 @@ def records_eta(runs, recorded: set[str], records: Path) -> str:
     known = [per_step.get((r.config.model.n_layers, r.config.train.batch_size * r.config.model.n_ctx)) for r in todo]
     eta = sum(k * r.config.train.steps for k, r in zip(known, todo, strict=True) if k)
     unknown = sum(k is None for k in known)
+    head = f"recorded {len(recorded)} / {len(runs)}; to do {len(todo)} runs"
+    if not todo:
+        return head
+    if unknown == len(todo):  # a first sitting: nothing recorded at these shapes to time them by
+        return f"{head}; no time estimate until a run of their shapes is recorded (its step times measure it)"
     return (
-        f"recorded {len(recorded)} / {len(runs)}; to do {len(todo)} runs, "
-        f"~{eta / 3600:.1f} h of one worker at the measured step times"
+        f"{head}, ~{eta / 3600:.1f} h of one worker at the measured step times"
         + (f" (+{unknown} runs of an unmeasured shape)" if unknown else "")
         + "; two workers on two cores take about half that"
     )

@@ -127,6 +127,8 @@ def test_an_accumulating_study_records_each_run_and_skips_recorded_ones(tmp_path
         'primary = [{ id = "L1", claim_id = "budget_trend:key_participation_ratio:first_layer" }]\n'
     )
     out = tmp_path / "runs"
+    assert main(["study", str(sweep), "--out", str(out), "--dry-run"]) == 0  # a first sitting: nothing to time by
+    assert "recorded 0 / 6; to do 6 runs; no time estimate until a run of their shapes" in capsys.readouterr().out
     args = ["study", str(sweep), "--out", str(out), "--no-progress", "--workers", "1"]
     assert main(args) == 0, capsys.readouterr().err
     assert recorded_runs(records) == {d.name for d in out.iterdir() if (d / "done.json").is_file()}
