@@ -45,7 +45,7 @@ def _add_portable_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="a TOML file or a preset name from configs/ (tiny, cpu, paper, ...)")
+    p.add_argument("config", help=f"a TOML file or a preset name (tiny, smoke, cpu, paper: {C.CONFIG_DIR}/<name>.toml)")
     _add_set_arg(p, "override a config field, e.g. --set train.lr=3e-4 (repeatable; values parsed as TOML)")
     _add_portable_arg(p)
 

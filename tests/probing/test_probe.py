@@ -174,7 +174,7 @@ def test_logit_scale_and_row_std_rows_match_direct_computations():
         model(idx, explicit=True)
     x = store[names[0]].reshape(-1, 32).double()
     w_q, w_k = gpt_weights(model)
-    expected = logit_scale(w_q[1], w_k[1], torch.cov(x.T, correction=0), x.mean(0))
+    expected = logit_scale(w_q[1], w_k[1], torch.cov(x.T, correction=0), x.mean(0)).detach()
     for h in range(4):
         assert r[(1, h, "input_logit_scale")] == pytest.approx(float(expected[h]), rel=1e-6)
     q, k = store[names[1]].double(), store[names[2]].double()  # (B, H, T, E)
