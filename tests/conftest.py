@@ -18,15 +18,20 @@ def _env(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ["QKGEOM_CACHE"] = str(tmp_path_factory.mktemp("cache"))
 
 
+def unavailable(msg: str) -> None:
+    """Something a test needs is missing: a failure under CI (which installs everything, so nothing may
+    be skipped there), a clean skip elsewhere."""
+    if os.environ.get("CI"):
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
 @pytest.fixture(scope="session")
 def wikitext() -> Path:
     """Folder holding wikitext-2/{train,valid,test}.txt; a failure under CI, a skip elsewhere."""
     root = wikitext_mirror()
     if not (root / "wikitext-2" / "train.txt").is_file():
-        msg = f"WikiText-2 mirror not found at {root} (set QKGEOM_WIKITEXT_DIR)"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+        unavailable(f"WikiText-2 mirror not found at {root} (set QKGEOM_WIKITEXT_DIR)")
     return root
 
 
@@ -54,10 +59,7 @@ def need(module: str):
     try:
         return __import__(module)
     except ImportError:
-        msg = f"{module} is not installed (an optional extra; pip install -e '.[dev]')"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
+        unavailable(f"{module} is not installed (an optional extra; pip install -e '.[dev]')")
 
 
 def tiny_llama_module(vocab: int, ctx: int):
