@@ -66,8 +66,9 @@ def sweep_study(args: argparse.Namespace) -> tuple:
     None for --dry-run (which lists the runs, recorded / done / to do, and the time left). A study with
     records settles them first, skips the recorded runs and records each run as it finishes."""
     from qkgeom.results import RunDir
-    from qkgeom.training.sweep import SweepError, expand, load_sweep, run_sweep
+    from qkgeom.training.sweep import SweepError, check_pool, expand, load_sweep, run_sweep
 
+    check_pool(args.workers, args.gpus_per_run)
     spec = load_sweep(args.sweep, args.overrides)
     out = Path(args.out) if args.out else Path(args.runs) / spec.name
     records = records_dir(spec)

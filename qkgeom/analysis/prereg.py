@@ -120,9 +120,13 @@ def register_version(path: str | Path, note: str, sweep: str | Path | None = Non
     path = Path(path)
     if not note.strip():
         raise RecordError("a new pre-registration version needs a note saying what changed and why")
+    _pre_registered(path)
     versions = registered_versions(path)
     if not versions:
         judged = {json.dumps(d, sort_keys=True) for d in _record_digests(path).values()}
+        if not judged:
+            raise RecordError(f"{path} has no records judged under a pre-registration and is not pinned: nothing to "
+                              f"amend (a study without records is pinned with --pin)")  # fmt: skip
         versions = [{"version": i + 1, "digest": json.loads(d), "note": "as first registered"}
                     for i, d in enumerate(sorted(judged))]  # fmt: skip
     table = _edited_study_analysis(path, versions[-1]["digest"] if versions else {}, sweep)
@@ -134,6 +138,13 @@ def register_version(path: str | Path, note: str, sweep: str | Path | None = Non
     entry = {"version": len(versions) + 1, "digest": now, "note": note.strip(), "registered": date.today().isoformat()}
     write_json(path / VERSIONS, {"versions": [*versions, entry]})
     return entry
+
+
+def _pre_registered(path: Path) -> None:
+    """Refuse to amend or pin a folder that nothing pre-registers (digest's "no file")."""
+    if study_file(path) is None and not (path / PREREGISTRATION).is_file() and not (path / SWEEP_MANIFEST).is_file():
+        raise RecordError(f"{path} has no pre-registration (configs/study-{path.name.removeprefix('study-')}.toml, "
+                          f"{PREREGISTRATION} or {SWEEP_MANIFEST}): nothing to amend")  # fmt: skip
 
 
 def _edited_study_analysis(path: Path, last: dict[str, str], sweep: str | Path | None = None) -> dict | None:
@@ -160,6 +171,9 @@ def write_pin(path: str | Path) -> dict:
     pre-registration and of its committed claims.csv, checked by check_records from then on."""
     path = Path(path)
     claims = path / "claims.csv"
+    _pre_registered(path)
+    if not claims.is_file():
+        raise RecordError(f"{path} has no claims.csv: nothing to pin")
     pin = {"digest": digest(path), "claims.csv": _sha(claims.read_bytes()) if claims.is_file() else None}
     write_json(path / PIN, pin)
     return pin

@@ -135,7 +135,12 @@ def verdicts_index(root: str | Path) -> str:
     study's primary family (the error control) and, descriptively, over every study's primary rows
     together; whether the row re-derives from committed per-run records. A pre-registered primary that
     picks no row, or several, is an error (a reworded claim would otherwise leave its Holm family in silence)."""
+    if not Path(root).is_dir():
+        raise A.AnalysisError(f"{root} is not a folder")
     found, amended, variants, by_layer = _collect(Path(root))
+    if not found:
+        raise A.AnalysisError(f"no committed study under {root}: no <study>/claims.csv whose pre-registration "
+                              "names primary rows ([analysis] primary)")  # fmt: skip
     tested, p_study, p_all = _tested(found)
     lines = [
         "# Pre-registered primary rows of every committed study",

@@ -171,7 +171,9 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
     _register()
     name, revision = resolve_revision(name, revision)
     if Path(name).is_dir() and not (Path(name) / "config.json").is_file():
-        raise PretrainedError(f"{name} has no config.json: not a Hugging Face model folder")
+        subs = sorted(d.name for d in Path(name).iterdir() if (d / "config.json").is_file())  # an export's steps
+        hint = f"; its revisions {', '.join(subs[:3])}{', ...' * (len(subs) > 3)} are read with --all-revisions"
+        raise PretrainedError(f"{name} has no config.json: not a Hugging Face model folder{hint if subs else ''}")
     try:
         config = AutoConfig.from_pretrained(name, revision=revision)
     except Exception as e:  # noqa: BLE001 - parsing the user's config.json: its validators raise several types

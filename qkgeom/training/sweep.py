@@ -336,6 +336,14 @@ class SweepResult:
     seconds: float = 0.0
 
 
+def check_pool(workers: int, gpus_per_run: float = 0.0) -> None:
+    """A pool's size and GPU share as given on the command line, refused before anything is written."""
+    if workers < 0:
+        raise SweepError(f"--workers must be >= 0 (0: one per CPU core, or per visible GPU), got {workers}")
+    if not 0 <= gpus_per_run < float("inf"):
+        raise SweepError(f"--gpus-per-run must be a finite number >= 0, got {gpus_per_run}")
+
+
 def run_sweep(
     spec: SweepSpec,
     out: str | Path,
@@ -353,6 +361,7 @@ def run_sweep(
     with each run id as soon as it finishes (e.g. to write its record). The sweep folder is locked
     while it runs: a second sweep on it is refused (FolderLockedError).
     """
+    check_pool(workers, gpus_per_run)
     out = Path(out)
     runs = expand(spec)
     with folder_lock(out):

@@ -498,6 +498,13 @@ ZOO = [
     (["pretrained", "{bigvocab}"], "beyond the 50-entry vocabulary"),
     (["sweep", "{results}/escape.toml", "--dry-run"], "must be a plain folder name"),
     (["amend", "{tmp}/nowhere", "--note", "x"], "is not a folder: nothing to amend"),
+    # seventeenth session: these wrote into an empty folder and exited 0, or printed a traceback
+    (["verdicts", "{empty}"], "no committed study under"),
+    (["verdicts", "/no/such/folder"], "/no/such/folder is not a folder"),
+    (["amend", "{empty}", "--note", "x"], "has no pre-registration"),
+    (["amend", "{empty}", "--pin", "--note", "x"], "has no pre-registration"),
+    (["sweep", "smoke", "--workers", "-1", "--out", "{empty}/s"], "--workers must be >= 0"),
+    (["pretrained", "{revs}"], "its revisions step_1 are read with --all-revisions"),
 ]
 
 
@@ -570,7 +577,9 @@ def test_bad_input_zoo(reference, tmp_path, args, message):
     shutil.copytree(done, garbled)
     (garbled / "config.json").write_text('{"config": {')
     fill = dict(done=str(done), empty=str(tmp_path / "empty"), tmp=str(tmp_path), latin1=str(latin1))
-    fill |= dict(badcfg=str(badcfg), garbled=str(garbled))
+    (tmp_path / "revs" / "step_1").mkdir(parents=True)  # an export's layout, one revision folder a step
+    (tmp_path / "revs" / "step_1" / "config.json").write_text('{"model_type": "gpt2"}')
+    fill |= dict(badcfg=str(badcfg), garbled=str(garbled), revs=str(tmp_path / "revs"))
     bad = ("gpt2", "pickled", "reshaped", "family", "results", "badheads", "truncated", "bigvocab")
     if any("{" + k + "}" in a for a in args for k in bad):
         fill |= _bad_models(tmp_path)
@@ -582,6 +591,7 @@ def test_bad_input_zoo(reference, tmp_path, args, message):
     assert r.returncode == 2, (r.returncode, r.stderr)
     assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
     assert before == {p: p.read_bytes() for p in done.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert not any((tmp_path / "empty").iterdir()), "a refused command wrote into a folder it was given"
 
 
 def test_analyze_refuses_runs_that_are_not_seeds_of_one_design(tmp_path):
