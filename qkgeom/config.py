@@ -336,6 +336,15 @@ def validate(cfg: RunConfig) -> None:
     bad_heads = [x for x in iv.heads if not 0 <= x < m.n_heads]
     need(not bad_heads, f"intervention.heads {bad_heads} do not exist (model has {m.n_heads} heads)")
     need(0 < iv.reach_fraction <= 1, f"intervention.reach_fraction must be in (0, 1], got {iv.reach_fraction}")
+    _check_finite(cfg)
+
+
+def _check_finite(cfg: RunConfig) -> None:
+    """TOML reads inf, which passes "> 0" (NaN fails every range check above, which names it first)."""
+    for sec in ("model", "train", "probe", "intervention"):
+        for f in dataclasses.fields(part := getattr(cfg, sec)):
+            if isinstance(v := getattr(part, f.name), float) and not math.isfinite(v):
+                raise ConfigError(f"{sec}.{f.name} must be finite, got {v}")
 
 
 KEEP_CHECKPOINTS = ("none", "log")

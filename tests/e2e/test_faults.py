@@ -503,6 +503,8 @@ ZOO = [
     (["verdicts", "/no/such/folder"], "/no/such/folder is not a folder"),
     (["amend", "{empty}", "--note", "x"], "has no pre-registration"),
     (["amend", "{empty}", "--pin", "--note", "x"], "has no pre-registration"),
+    (["train", "tiny", "--set", "train.lr=inf"], "train.lr must be finite, got inf"),
+    (["train", "tiny", "--set", "intervention.floor=inf"], "intervention.floor must be finite"),
     (["sweep", "smoke", "--workers", "-1", "--out", "{empty}/s"], "--workers must be >= 0"),
     (["pretrained", "{revs}"], "its revisions step_1 are read with --all-revisions"),
 ]
