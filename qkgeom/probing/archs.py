@@ -225,7 +225,10 @@ ADD_ARCH_HINT = (
 
 def arch_of(model: nn.Module) -> Arch:
     """The ARCHS row of a supported Hugging Face model; PretrainedError for any other."""
-    mt = model.config.model_type
+    mt = getattr(getattr(model, "config", None), "model_type", None)
+    if mt is None:
+        raise PretrainedError(f"a {type(model).__name__} is not a Hugging Face model (no config.model_type); for any "
+                              "other model, read q and k with hooks and call qkgeom.measure")  # fmt: skip
     if mt not in ARCHS:
         raise PretrainedError(f"unsupported model type {mt!r}; supported: {', '.join(sorted(ARCHS))}; {ADD_ARCH_HINT}")
     return ARCHS[mt]

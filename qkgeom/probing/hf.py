@@ -26,7 +26,7 @@ from torch import nn
 
 from qkgeom import device as D
 from qkgeom.config import DEFAULT_PROBE, ProbeSettings
-from qkgeom.probing.archs import ADD_ARCH_HINT, ARCHS, PretrainedError, arch_of, check_model_type
+from qkgeom.probing.archs import ADD_ARCH_HINT, ARCHS, Arch, PretrainedError, arch_of, check_model_type
 from qkgeom.probing.probe import GeometryAccumulator, nonfinite_weights, weight_geometry
 
 Tensor = torch.Tensor
@@ -315,7 +315,7 @@ def analyse_model(
     body = getattr(model, "base_model", model)  # the LM head's logits are not needed: skip them
     device = next(model.parameters()).device  # batches come from the host; the model may be on a GPU
     with recording(model, accs, keep):
-        for idx in tqdm(batches, disable=not progress, desc="batches", unit="batch"):
+        for idx in tqdm(_input_ids(batches, model, arch), disable=not progress, desc="batches", unit="batch"):
             body(input_ids=idx.to(device))
     rows = [r for acc in accs.values() for r in acc.rows()]
     w_q, w_k = arch.weights(model)
@@ -335,6 +335,36 @@ def analyse_model(
     }
     spectra |= w_spectra
     return rows + w_rows, spectra
+
+
+def ids_problem(idx: object, dims: tuple[int, ...] = (2,)) -> str | None:
+    """What keeps `idx` from being a batch of token ids (a non-empty integer tensor of one of `dims`
+    dimensions), as "<dtype> <shape>"; None where nothing does."""
+    if not isinstance(idx, Tensor):
+        return type(idx).__name__
+    integer = not (idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool)
+    return None if integer and idx.dim() in dims and idx.numel() else f"{idx.dtype} {tuple(idx.shape)}"
+
+
+def _input_ids(batches: Iterator[Tensor], model: nn.Module, arch: Arch) -> Iterator[Tensor]:
+    """Each batch checked before the model sees it (an embedding lookup would fail deep inside it): integer
+    ids (B, T) or (T,), within the context of a model with learned positions and, where the batch is on
+    the host (no device sync), within the vocabulary. At least one batch."""
+    n_vocab = model.get_input_embeddings().num_embeddings
+    context = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    i = -1
+    for i, idx in enumerate(batches):
+        if (why := ids_problem(idx, dims=(1, 2))) is not None:
+            raise PretrainedError(f"batch {i}: token ids must be a non-empty integer tensor (B, T), got {why}")
+        if not arch.rotary and context and idx.shape[-1] > context:
+            raise PretrainedError(f"batch {i}: sequences of {idx.shape[-1]} tokens, beyond the model's {context} "
+                                  "positions")  # fmt: skip
+        lo, hi = D.host_list(torch.stack([idx.min(), idx.max()])) if idx.device.type == "cpu" else (0, 0)
+        if not 0 <= lo <= hi < n_vocab:
+            raise PretrainedError(f"batch {i}: token ids outside the model's {n_vocab}-entry vocabulary ({lo} to {hi})")
+        yield idx
+    if i < 0:
+        raise PretrainedError("no batches: analyse needs at least one batch of token ids")
 
 
 def text_tokens(

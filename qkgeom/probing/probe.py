@@ -356,7 +356,7 @@ class MeasureError(QKGeomError, ValueError):
 def check_activations(qs: list[Tensor], ks: list[Tensor], pats: list[Tensor | None]) -> None:
     """Shapes and finiteness of per-layer q (B, H_q, T, E), k (B, H_kv, T, E), pattern (B, H_q, T, T);
     raises MeasureError naming the layer, the tensor and what is wrong."""
-    if not (len(qs) == len(ks) == len(pats)):
+    if not (len(qs) == len(ks) == len(pats)) or not qs:
         raise MeasureError(f"q, k and pattern give {len(qs)}, {len(ks)} and {len(pats)} layers")
     for i, (q, k, pat) in enumerate(zip(qs, ks, pats, strict=True)):
         if q.dim() != 4 or k.dim() != 4:
@@ -375,6 +375,16 @@ def check_activations(qs: list[Tensor], ks: list[Tensor], pats: list[Tensor | No
             if x is not None and not torch.isfinite(x).all():
                 bad = int((~torch.isfinite(x)).sum())
                 raise MeasureError(f"layer {i}: {name} has {bad} non-finite values (NaN or inf)")
+        if pat is not None and not _distributions(pat):
+            sums = pat.sum(-1, dtype=torch.float64)
+            lo, hi = D.host_list(torch.stack([sums.min(), sums.max()]))
+            raise MeasureError(f"layer {i}: pattern rows must be attention weights, non-negative and summing to 1 "
+                               f"(row sums {lo:.4g} to {hi:.4g})")  # fmt: skip
+
+
+def _distributions(pat: Tensor, atol: float = 1e-2) -> bool:
+    """Whether every row of `pat` is a probability distribution (to bf16 softmax's rounding: atol)."""
+    return bool((pat >= 0).all()) and bool(((pat.sum(-1, dtype=torch.float64) - 1).abs() <= atol).all())
 
 
 def measure(
@@ -419,8 +429,11 @@ def activation_geometry(
     """measure()'s rows as dicts, with the spectra: checked, detached activations through one
     GeometryAccumulator, plus the weight-side rows when w_q and w_k are given."""
 
+    def one(t) -> Tensor | None:  # a tensor, or anything torch.as_tensor reads (a numpy array)
+        return None if t is None else torch.as_tensor(t).detach()
+
     def layers(x) -> list:
-        return [x.detach()] if isinstance(x, Tensor) else [t.detach() if t is not None else None for t in x]
+        return [one(x)] if isinstance(x, Tensor | np.ndarray) else [one(t) for t in x]
 
     qs, ks = layers(q), layers(k)
     pats = layers(pattern) if pattern is not None else [None] * len(qs)

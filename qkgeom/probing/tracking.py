@@ -102,15 +102,11 @@ def _n_layers(model: nn.Module, kind: str) -> int | None:
 
 def _input_ids(batch: torch.Tensor | dict) -> torch.Tensor:
     """The probe batch as int64 input ids (B, T); a dict's `input_ids`; anything else refused."""
+    from qkgeom.probing.hf import ids_problem
+
     batch = batch["input_ids"] if isinstance(batch, dict) else batch
-    if (
-        not isinstance(batch, torch.Tensor)
-        or batch.dim() != 2
-        or batch.is_floating_point()
-        or batch.is_complex()
-        or batch.dtype == torch.bool
-    ):
-        raise ProbeError("the probe batch must be input ids, an integer tensor (batch, seq_len)")
+    if (why := ids_problem(batch)) is not None:
+        raise ProbeError(f"the probe batch must be input ids, an integer tensor (batch, seq_len), got {why}")
     return batch.long()
 
 
@@ -164,8 +160,8 @@ class Probe:
         pr_convention: str = "variance",
         alpha_convention: str = "weightwatcher",
     ) -> None:
-        if every < 1:
-            raise ProbeError(f"every must be a positive number of steps, got {every}")
+        if every < 1 or (steps is not None and steps < 0):
+            raise ProbeError(f"every must be a positive number of steps and steps >= 0, got {every} and {steps}")
         try:
             self.settings = ProbeSettings.of(logit_max_seqs, pr_convention, alpha_convention)
         except ConfigError as e:

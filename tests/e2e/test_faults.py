@@ -625,6 +625,37 @@ def test_measure_names_bad_shapes_and_non_finite_values():
         qkgeom.measure(q, k, nan)
     with pytest.raises(MeasureError, match="does not match q"):
         qkgeom.measure(q, torch.randn(2, 3, 8, 16))
+    # seventeenth session: these crashed (a RuntimeError, an AttributeError) or measured nonsense
+    with pytest.raises(MeasureError, match="give 0, 0 and 0 layers"):
+        qkgeom.measure([], [])
+    with pytest.raises(MeasureError, match=r"pattern rows must be attention weights.*row sums 2\.5 to 2\.5"):
+        qkgeom.measure(q, k, torch.full((2, 4, 8, 8), 2.5 / 8))  # entropies of rows that are not distributions
+    numpy = qkgeom.measure(q.numpy(), k.numpy(), pattern.numpy())  # arrays are read as tensors
+    assert numpy.equals(qkgeom.measure(q, k, pattern))
+
+
+def test_analyse_names_batches_a_model_cannot_read():
+    """qkgeom.analyse raised IndexError deep in the embedding for ids past the vocabulary or the learned
+    positions, a RuntimeError for no batches or float ids, an AttributeError for a model without a config."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    import qkgeom
+    from qkgeom.probing.archs import PretrainedError
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16)).eval()
+    ids = torch.randint(0, 50, (2, 16))
+    for batches, says in [
+        ([], "no batches"),
+        ([ids, ids.float()], r"batch 1: token ids must be a non-empty integer tensor \(B, T\), got torch.float32"),
+        ([torch.randint(0, 50, (2, 17))], "sequences of 17 tokens, beyond the model's 16 positions"),
+        ([ids + 50], "outside the model's 50-entry vocabulary"),
+    ]:
+        with pytest.raises(PretrainedError, match=says):
+            qkgeom.analyse(model, batches)
+    with pytest.raises(PretrainedError, match="a Linear is not a Hugging Face model"):
+        qkgeom.analyse(torch.nn.Linear(4, 4), [ids])
+    assert len(qkgeom.analyse(model, [ids])) > 0
 
 
 def test_full_disk_during_a_study_is_one_line(tmp_path):
