@@ -490,8 +490,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _resume_hint(args: argparse.Namespace, otherwise: str = "run the same command again") -> str:
-    """`use --resume` only for the commands that have it; sweeps and studies skip finished runs."""
-    return "use --resume" if hasattr(args, "resume") else otherwise
+    """`use --resume` only for the commands that have it, where --out is a folder; sweeps and studies skip
+    finished runs."""
+    return "use --resume" if hasattr(args, "resume") and (not args.out or Path(args.out).is_dir()) else otherwise
 
 
 if __name__ == "__main__":

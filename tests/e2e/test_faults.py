@@ -505,6 +505,7 @@ ZOO = [
     (["amend", "{empty}", "--pin", "--note", "x"], "has no pre-registration"),
     (["train", "tiny", "--set", "train.lr=inf"], "train.lr must be finite, got inf"),
     (["train", "tiny", "--set", "intervention.floor=inf"], "intervention.floor must be finite"),
+    (["train", "tiny", "--out", "{done}/config.json"], "config.json (finished files are kept; fix it, then run the"),
     (["sweep", "smoke", "--workers", "-1", "--out", "{empty}/s"], "--workers must be >= 0"),
     (["pretrained", "{revs}"], "its revisions step_1 are read with --all-revisions"),
 ]
