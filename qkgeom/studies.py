@@ -65,11 +65,13 @@ def sweep_study(args: argparse.Namespace) -> tuple:
     """A sweep or study from its command-line arguments: (spec, output folder, SweepResult), the result
     None for --dry-run (which lists the runs, recorded / done / to do, and the time left). A study with
     records settles them first, skips the recorded runs and records each run as it finishes."""
+    from qkgeom.analysis import ladder, robustness
     from qkgeom.results import RunDir
     from qkgeom.training.sweep import SweepError, check_pool, expand, load_sweep, run_sweep
 
     check_pool(args.workers, args.gpus_per_run)
     spec = load_sweep(args.sweep, args.overrides)
+    robustness.registered(spec.analysis, dict.fromkeys([*robustness.MAIN_VARIANTS, *ladder.VARIANTS]))  # a typo: now
     out = Path(args.out) if args.out else Path(args.runs) / spec.name
     records = records_dir(spec)
     recorded = _recorded(records)

@@ -66,9 +66,24 @@ class RunSpec:
     config: C.RunConfig
 
 
+def _is_primary(s: object) -> bool:
+    keys = {"id", "claim_id", "group", "window"}
+    return isinstance(s, dict) and {"id", "claim_id"} <= set(s) <= keys and all(isinstance(v, str) for v in s.values())
+
+
 # what a study file's [analysis] may hold: its primary family, TOST margin, records folder and the
-# robustness variants its primaries are re-judged under (analysis.robustness)
-ANALYSIS_KEYS = ("primary", "margin", "records", "robustness")
+# robustness variants its primaries are re-judged under (analysis.robustness); each value's type is
+# checked when the file is read, not by the analysis after the sweep has run
+ANALYSIS_TYPES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "primary": (
+        "a list of tables {id, claim_id, group, window} of strings (group and window optional), ids unique",
+        lambda v: isinstance(v, list) and all(map(_is_primary, v)) and len({x["id"] for x in v}) == len(v),
+    ),
+    "margin": ("a positive number", lambda v: type(v) in (int, float) and 0 < v < float("inf")),
+    "records": ("a folder (a string)", lambda v: isinstance(v, str)),
+    "robustness": ("a list of variant names", lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v)),
+}
+ANALYSIS_KEYS = tuple(ANALYSIS_TYPES)
 
 
 def resolve_sweep(path: str | Path) -> Path:
@@ -83,13 +98,8 @@ def resolve_sweep(path: str | Path) -> Path:
     raise SweepError(f"sweep {str(path)!r} is neither a file nor a study preset (presets: {known})")
 
 
-def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
-    """Parse a sweep file; `extra` are ``key=value`` overrides added to its [set] table."""
-    p = resolve_sweep(path)
-    try:
-        data = tomllib.loads(read_text(p, SweepError))
-    except tomllib.TOMLDecodeError as e:
-        raise SweepError(f"sweep file {p} is not valid TOML: {e}") from None
+def _check_tables(data: dict, p: Path) -> None:
+    """A sweep file's tables and the keys of [sweep] and [analysis] (with each [analysis] value's type)."""
     unknown = sorted(set(data) - {"sweep", "set", "grid", "analysis"})
     if unknown or "sweep" not in data:
         raise SweepError(
@@ -99,6 +109,9 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
     if bad_analysis:
         known = ", ".join(ANALYSIS_KEYS)
         raise SweepError(f"unknown key {bad_analysis[0]!r} in [analysis] of {p} (known: {known})")
+    for key, value in data.get("analysis", {}).items():
+        if not ANALYSIS_TYPES[key][1](value):
+            raise SweepError(f"[analysis] {key} in {p} must be {ANALYSIS_TYPES[key][0]}, got {value!r}")
     head = data["sweep"]
     if "kind" in head:  # earlier sweep files: the analysis now reads each run's own config instead
         raise SweepError(f"[sweep] kind in {p} is no longer used (analyze reads each run's config); delete the line")
@@ -107,11 +120,24 @@ def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
         raise SweepError(f"unknown key {bad[0]!r} in [sweep] of {p}")
     if head.get("order", "cost") not in SWEEP_ORDERS:
         raise SweepError(f"[sweep] order in {p} is {head['order']!r}; allowed: {', '.join(SWEEP_ORDERS)}")
+
+
+def load_sweep(path: str | Path, extra: list[str] | None = None) -> SweepSpec:
+    """Parse a sweep file; `extra` are ``key=value`` overrides added to its [set] table."""
+    p = resolve_sweep(path)
+    try:
+        data = tomllib.loads(read_text(p, SweepError))
+    except tomllib.TOMLDecodeError as e:
+        raise SweepError(f"sweep file {p} is not valid TOML: {e}") from None
+    _check_tables(data, p)
+    head = data["sweep"]
     name = head.get("name", p.stem)
     if not isinstance(name, str) or C.safe_name(name) != name:  # its folder is runs/<name>: nothing outside
         raise SweepError(f"[sweep] name {name!r} in {p} must be a plain folder name (letters, digits, . _ = , + -)")
     fixed = dict(data.get("set", {}))
     grid_keys = {k.strip() for key in data.get("grid", {}) for k in key.split(",")}
+    if both := sorted(grid_keys & set(fixed)):
+        raise SweepError(f"{both[0]!r} is in both [set] and [grid] of {p}: the grid would override [set]")
     for item in extra or []:
         key, _, text = item.partition("=")
         if key.strip() in grid_keys:
@@ -137,6 +163,9 @@ def _as_override(key: str, value: Any) -> str:
 
 def expand(spec: SweepSpec) -> list[RunSpec]:
     """Every combination of the grid (zipped keys move together), validated, with run ids."""
+    for key, values in spec.grid.items():
+        if not isinstance(values, list):
+            raise SweepError(f"grid key {key!r} of sweep {spec.name!r} must be a list of values, got {values!r}")
     if not spec.grid or any(len(v) == 0 for v in spec.grid.values()):
         raise SweepError(f"sweep {spec.name!r} has an empty grid")
     axes = []
@@ -158,6 +187,9 @@ def expand(spec: SweepSpec) -> list[RunSpec]:
         except C.ConfigError as e:
             raise SweepError(f"sweep {spec.name!r}: {e}") from None
         runs.append(RunSpec(C.run_id(cfg), overrides, cfg))
+    if len({r.run_id for r in runs}) < len(runs):  # two runs would train into one folder
+        twice = next(r for r in runs if sum(x.run_id == r.run_id for x in runs) > 1)
+        raise SweepError(f"sweep {spec.name!r} holds run {twice.run_id} twice: its grid repeats a value")
     return [_with_baseline(spec, r, runs) for r in runs]
 
 

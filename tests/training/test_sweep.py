@@ -5,6 +5,7 @@ import os
 
 import pytest
 
+from qkgeom import config as C
 from qkgeom.results import RunDir
 from qkgeom.training import sweep as S
 from qkgeom.training.loop import train
@@ -45,11 +46,47 @@ def test_study_presets_expand_to_the_paper_grids():
         ('"model.nlayers" = [1, 2]', "unknown config key 'model.nlayers'"),
         ('"model.n_layers" = []', "empty grid"),
         ('"train.seed,train.data_seed" = [1, 2]', "each value must be a list of 2"),
+        # seventeenth session: a TypeError traceback, and two runs training into one folder
+        ('"model.n_layers" = 2', "must be a list of values, got 2"),
+        ('"train.seed" = [1, 1]', "holds run .* twice: its grid repeats a value"),
     ],
 )
 def test_bad_grids(tmp_path, grid, message):
     with pytest.raises(S.SweepError, match=message):
         S.expand(S.load_sweep(write_sweep(tmp_path, grid)))
+
+
+@pytest.mark.parametrize(
+    "tables, message",
+    [
+        ('[set]\n"train.seed" = 3\n[grid]\n"train.seed" = [1, 2]', r"'train.seed' is in both \[set\] and \[grid\]"),
+        ('[grid]\n"train.seed" = [1]\n[analysis]\nmargin = "0.1"', "margin in .* must be a positive number, got '0.1'"),
+        ('[grid]\n"train.seed" = [1]\n[analysis]\nmargin = -0.1', "must be a positive number, got -0.1"),
+        ('[grid]\n"train.seed" = [1]\n[analysis]\nprimary = ["P1"]', r"primary in .* must be a list of tables"),
+        ('[grid]\n"train.seed" = [1]\n[analysis]\nprimary = [{ id = "P1" }]', "must be a list of tables"),
+        ('[grid]\n"train.seed" = [1]\n[analysis]\nrobustness = "leave one seed out"', "a list of variant names"),
+    ],
+)
+def test_bad_sweep_tables_are_refused_when_read(tmp_path, tables, message):
+    """A margin of "x" or a primary named by a bare string crashed the analysis with a traceback after the
+    whole sweep had run; a [set] key the grid also sets was silently overridden."""
+    f = tmp_path / "s.toml"
+    f.write_text(f'[sweep]\nname = "s"\nbase = "tiny"\n{tables}\n')
+    with pytest.raises(S.SweepError, match=message):
+        S.load_sweep(f)
+
+
+def test_every_study_preset_passes_the_checks_and_a_misspelt_variant_is_refused(tmp_path, capsys):
+    from qkgeom.cli import main
+
+    for f in sorted(C.CONFIG_DIR.glob("study-*.toml")):
+        S.expand(S.load_sweep(f))
+    f = tmp_path / "s.toml"
+    f.write_text('[sweep]\nname = "s"\nbase = "tiny"\n[grid]\n"train.seed" = [1]\n[analysis]\n'
+                 'robustness = ["leave one sed out"]\n')  # fmt: skip
+    assert main(["sweep", str(f), "--dry-run", "--out", str(tmp_path / "s")]) == 2
+    assert "unknown robustness variant 'leave one sed out'" in capsys.readouterr().err
+    assert not (tmp_path / "s").exists()
 
 
 def test_unknown_sweep_preset():
