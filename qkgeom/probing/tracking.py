@@ -277,6 +277,9 @@ class Probe:
     def __call__(self, step: int, tokens_seen: int | None = None, force: bool = False) -> bool:
         """Probe at `step` if it is due (or `force`); True if it probed. tokens_seen: training
         tokens so far (recorded; -1 if not given)."""
+        self._open(f"probe step {step}")
+        if step < 0:
+            raise ProbeError(f"a probe's step must be >= 0, got {step}")
         if not force and (step <= self.last_step or not self.due(step)):
             return False  # (a step seen again: gradient accumulation calls back once per micro-batch)
         tic = time.perf_counter()
@@ -355,6 +358,7 @@ class Probe:
     ) -> None:
         """A loss (a float, or a one-element tensor on any device) for the report's curves (metrics.jsonl:
         step, tokens_seen, split, loss)."""
+        self._open(f"log step {step}")
         if not self._metrics_resumed:  # what the interrupted run logged from this step on is logged again
             self.rd.truncate_metrics(step - 1)
             self._metrics_resumed = True
@@ -368,6 +372,7 @@ class Probe:
         its last step), the probes consolidated, config.json's train.steps set (`steps`, the one
         given at construction, or the last step probed), done.json written last. final_valid_loss:
         recorded (default: the last validation loss logged). Returns the folder."""
+        self._open("finish")
         if steps is not None and steps > self.last_step:
             self(steps, tokens_seen, force=True)
         if self.last_step < 0 and not self.rd.geometry_parts.is_dir():
@@ -398,12 +403,21 @@ class Probe:
         self.close()
         return self.rd.path
 
+    def _open(self, what: str) -> None:
+        """Refuse to write into the folder once it is released: another process may hold it by then."""
+        if self._lock is None:
+            done = "finished" if self.rd.is_done() else "closed"
+            raise ProbeError(f"cannot {what}: the probe of {self.rd.path} is {done}; a new run takes a new Probe")
+
     def close(self) -> None:
         """Release the folder (and the TensorBoard writer) without finishing the run."""
+        if self._lock is None:
+            return
         if self.tb is not None:
             self.tb.close()
             self.tb = None
         self._lock.close()
+        self._lock = None
 
     def __enter__(self) -> Probe:
         return self

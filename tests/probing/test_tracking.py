@@ -177,6 +177,15 @@ def test_folders_and_inputs_it_refuses(tmp_path):
     assert sorted(pd.read_parquet(out / "geometry.parquet")["step"].unique()) == [0, 1, 2]
     with pytest.raises(ProbeError, match="holds a finished run"):
         qkgeom.Probe(gpt2(), fixed_batch(), out=out)
+    # seventeenth session: a probe called after finish (or close) wrote into the released folder
+    before = {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
+    for call, says in [(lambda: again(4), "cannot probe step 4"), (lambda: again.log_metrics(5, 1.0), "cannot log step 5"),
+                       (again.finish, "cannot finish")]:  # fmt: skip
+        with pytest.raises(ProbeError, match=f"{says}: the probe of .* is finished"):
+            call()
+    assert before == {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
+    with pytest.raises(ProbeError, match="step must be >= 0, got -1"):
+        qkgeom.Probe(gpt2(), fixed_batch(), out=tmp_path / "neg-step")(-1)
 
 
 def test_a_probe_killed_while_consolidating_resumes_without_losing_geometry(tmp_path, monkeypatch):
