@@ -90,6 +90,7 @@ def load_pretrained(path: str | Path | None = None, overrides: list[str] | None 
         f"pretrained.device must be cpu, cuda, cuda:N or mps, got {pc.device!r}",
     )
     need(pc.every >= 1, f"pretrained.every must be >= 1, got {pc.every}")
+    need(pc.early_max_step >= 0, f"pretrained.early_max_step must be >= 0, got {pc.early_max_step}")
     need(pc.family in ("", "pythia"), f"pretrained.family must be 'pythia' or empty, got {pc.family!r}")
     try:
         pc.settings  # noqa: B018 - builds and checks the probe settings (one door)

@@ -264,7 +264,7 @@ def token_batches(
     body = seq_len - len(prefix)
     per_batch = body * batch_size
     n_batches = min(n_tokens, len(tokens)) // per_batch if body > 0 else 0
-    if n_batches == 0 and n_tokens < per_batch <= len(tokens):
+    if n_batches == 0 and n_tokens < per_batch:  # the text was read only as far as n_tokens needs
         raise PretrainedError(
             f"--n-tokens {n_tokens} is less than one batch of text ({batch_size} x {body} = {per_batch} tokens); "
             f"raise --n-tokens to at least {per_batch}, or lower --batch-size or --seq-len"

@@ -506,6 +506,7 @@ ZOO = [
     (["train", "tiny", "--set", "train.lr=inf"], "train.lr must be finite, got inf"),
     (["train", "tiny", "--set", "intervention.floor=inf"], "intervention.floor must be finite"),
     (["train", "tiny", "--out", "{done}/config.json"], "config.json (finished files are kept; fix it, then run the"),
+    (["pretrained", "{revs}/step_1", "--early-max-step", "-5"], "pretrained.early_max_step must be >= 0, got -5"),
     (["sweep", "smoke", "--workers", "-1", "--out", "{empty}/s"], "--workers must be >= 0"),
     (["pretrained", "{revs}"], "its revisions step_1 are read with --all-revisions"),
 ]

@@ -237,6 +237,8 @@ def test_bad_input(tmp_path):
         next(P.token_batches(np.arange(100), 64, 2, 10_000))
     with pytest.raises(P.PretrainedError, match="--n-tokens 100 is less than one batch .* at least 128"):
         next(P.token_batches(np.arange(10_000), 64, 2, 100))  # the text is ample: blame --n-tokens
+    with pytest.raises(P.PretrainedError, match="--n-tokens 100 is less than one batch"):
+        next(P.token_batches(np.arange(80), 64, 2, 100))  # text read only as far as n_tokens needs: still --n-tokens
     with pytest.raises(P.PretrainedError, match="cannot load"):
         P.load_model(str(tmp_path / "missing-model-folder"))
 

@@ -179,8 +179,8 @@ def test_folders_and_inputs_it_refuses(tmp_path):
         qkgeom.Probe(gpt2(), fixed_batch(), out=out)
     # seventeenth session: a probe called after finish (or close) wrote into the released folder
     before = {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
-    for call, says in [(lambda: again(4), "cannot probe step 4"), (lambda: again.log_metrics(5, 1.0), "cannot log step 5"),
-                       (again.finish, "cannot finish")]:  # fmt: skip
+    calls = [(lambda: again(4), "cannot probe step 4"), (lambda: again.log_metrics(5, 1.0), "cannot log step 5")]
+    for call, says in [*calls, (again.finish, "cannot finish")]:
         with pytest.raises(ProbeError, match=f"{says}: the probe of .* is finished"):
             call()
     assert before == {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
