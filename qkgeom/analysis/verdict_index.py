@@ -140,7 +140,8 @@ def verdicts_index(root: str | Path) -> str:
     found, amended, variants, by_layer = _collect(Path(root))
     if not found:
         raise A.AnalysisError(f"no committed study under {root}: no <study>/claims.csv whose pre-registration "
-                              "names primary rows ([analysis] primary)")  # fmt: skip
+                              "names primary rows ([analysis] primary); verdicts reads a folder of studies, such "
+                              "as docs/results")  # fmt: skip
     tested, p_study, p_all = _tested(found)
     lines = [
         "# Pre-registered primary rows of every committed study",
