@@ -70,9 +70,12 @@ def load_pretrained(path: str | Path | None = None, overrides: list[str] | None 
     if path is not None:
         p = resolve_preset(path)
         try:
-            data = tomllib.loads(read_text(p, ConfigError)).get("pretrained", {})
+            whole = tomllib.loads(read_text(p, ConfigError))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        if set(whole) != {"pretrained"} or not isinstance(whole["pretrained"], dict):  # a key outside was ignored
+            raise ConfigError(f"config file {p} must hold a [pretrained] table and no other key: found {sorted(whole)}")
+        data = whole["pretrained"]
     # keys are written bare (n_tokens=...) or as in the file's table and the messages (pretrained.n_tokens=...)
     overrides = [o.removeprefix("pretrained.") for o in overrides or []]
     pc = _build(PretrainedConfig, apply_overrides(data, overrides), "pretrained.")

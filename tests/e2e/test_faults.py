@@ -507,6 +507,7 @@ ZOO = [
     (["train", "tiny", "--set", "intervention.floor=inf"], "intervention.floor must be finite"),
     (["train", "tiny", "--out", "{done}/config.json"], "config.json (finished files are kept; fix it, then run the"),
     (["pretrained", "{revs}/step_1", "--early-max-step", "-5"], "pretrained.early_max_step must be >= 0, got -5"),
+    (["pretrained", "{revs}/step_1", "--config", "{tmp}/bare.toml"], "must hold a [pretrained] table and no other key"),
     (["sweep", "smoke", "--workers", "-1", "--out", "{empty}/s"], "--workers must be >= 0"),
     (["pretrained", "{revs}"], "its revisions step_1 are read with --all-revisions"),
 ]
@@ -581,6 +582,7 @@ def test_bad_input_zoo(reference, tmp_path, args, message):
     shutil.copytree(done, garbled)
     (garbled / "config.json").write_text('{"config": {')
     fill = dict(done=str(done), empty=str(tmp_path / "empty"), tmp=str(tmp_path), latin1=str(latin1))
+    (tmp_path / "bare.toml").write_text("n_tokens = 5\n")  # outside its [pretrained] table: was ignored
     (tmp_path / "revs" / "step_1").mkdir(parents=True)  # an export's layout, one revision folder a step
     (tmp_path / "revs" / "step_1" / "config.json").write_text('{"model_type": "gpt2"}')
     fill |= dict(badcfg=str(badcfg), garbled=str(garbled), revs=str(tmp_path / "revs"))
