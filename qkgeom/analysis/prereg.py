@@ -174,7 +174,7 @@ def write_pin(path: str | Path) -> dict:
     _pre_registered(path)
     if not claims.is_file():
         raise RecordError(f"{path} has no claims.csv: nothing to pin")
-    pin = {"digest": digest(path), "claims.csv": _sha(claims.read_bytes()) if claims.is_file() else None}
+    pin = {"digest": digest(path), "claims.csv": _sha(claims.read_bytes())}
     write_json(path / PIN, pin)
     return pin
 

@@ -160,8 +160,10 @@ class Probe:
         pr_convention: str = "variance",
         alpha_convention: str = "weightwatcher",
     ) -> None:
-        if every < 1 or (steps is not None and steps < 0):
-            raise ProbeError(f"every must be a positive number of steps and steps >= 0, got {every} and {steps}")
+        if every < 1:
+            raise ProbeError(f"every must be a positive number of steps, got {every}")
+        if steps is not None and steps < 0:
+            raise ProbeError(f"steps (the run's length) must be >= 0, got {steps}")
         try:
             self.settings = ProbeSettings.of(logit_max_seqs, pr_convention, alpha_convention)
         except ConfigError as e:

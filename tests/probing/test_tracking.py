@@ -186,6 +186,9 @@ def test_folders_and_inputs_it_refuses(tmp_path):
     assert before == {f: f.read_bytes() for f in out.rglob("*") if f.is_file()}
     with pytest.raises(ProbeError, match="step must be >= 0, got -1"):
         qkgeom.Probe(gpt2(), fixed_batch(), out=tmp_path / "neg-step")(-1)
+    with pytest.raises(ProbeError, match=r"steps \(the run's length\) must be >= 0, got -1"):
+        qkgeom.Probe(gpt2(), fixed_batch(), out=tmp_path / "neg-length", steps=-1)
+    assert not (tmp_path / "neg-length").exists()
 
 
 def test_a_probe_killed_while_consolidating_resumes_without_losing_geometry(tmp_path, monkeypatch):
