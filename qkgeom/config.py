@@ -166,6 +166,9 @@ def load(path: str | Path | None = None, overrides: list[str] | None = None) -> 
             data = tomllib.loads(read_text(p, ConfigError))
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        for table, command in (("sweep", f"qkgeom study {path}"), ("pretrained", "qkgeom pretrained MODEL --config")):
+            if table in data:  # another command's file: say which, not "unknown config key"
+                raise ConfigError(f"{p} is a [{table}] file, not a run config: run it with `{command}`")
     return from_dict(apply_overrides(data, overrides or []))
 
 
@@ -178,15 +181,17 @@ def project_path(rel: str | Path) -> Path:
     return (REPO_ROOT if IN_CHECKOUT else Path.cwd()) / rel
 
 
-def resolve_preset(path: str | Path) -> Path:
-    """A TOML path, or the name of a preset in the repository's configs/ folder (e.g. `tiny`)."""
+def resolve_preset(path: str | Path, kind: str = "run") -> Path:
+    """A TOML path, or the name of a preset in the repository's configs/ folder (e.g. `tiny`); a miss
+    lists the presets of `kind` (run configs, or `pretrained`; study files are `qkgeom study`'s)."""
     p = Path(path)
     if p.is_file():
         return p
     preset = CONFIG_DIR / f"{path}.toml"
     if preset.is_file():
         return preset
-    known = ", ".join(sorted(x.stem for x in CONFIG_DIR.glob("*.toml")))
+    stems = sorted(x.stem for x in CONFIG_DIR.glob("*.toml") if not x.stem.startswith("study-"))
+    known = ", ".join(x for x in stems if (x == "pretrained") == (kind == "pretrained"))
     raise ConfigError(f"config {str(path)!r} is neither a file nor a preset (presets: {known})")
 
 

@@ -68,7 +68,7 @@ def load_pretrained(path: str | Path | None = None, overrides: list[str] | None 
     """Defaults, then a TOML file (a [pretrained] table), then `overrides` (key=value); validated."""
     data: dict[str, Any] = {}
     if path is not None:
-        p = resolve_preset(path)
+        p = resolve_preset(path, "pretrained")
         try:
             whole = tomllib.loads(read_text(p, ConfigError))
         except tomllib.TOMLDecodeError as e:

@@ -41,8 +41,18 @@ def test_bad_values_are_named(override, message):
 
 
 def test_unknown_preset():
-    with pytest.raises(C.ConfigError, match="neither a file nor a preset"):
+    """A miss lists the presets the command reads (the study files and the pretrained config were listed
+    as run presets); another command's file says which command reads it."""
+    from qkgeom.families.config import load_pretrained
+
+    with pytest.raises(C.ConfigError, match=r"neither a file nor a preset \(presets: cpu, paper, smoke, tiny\)$"):
         C.load("no-such-preset")
+    with pytest.raises(C.ConfigError, match=r"\(presets: pretrained\)$"):
+        load_pretrained("no-such-preset")
+    with pytest.raises(C.ConfigError, match=r"study-smoke.toml is a \[sweep\] file.*`qkgeom study study-smoke`"):
+        C.load("study-smoke")
+    with pytest.raises(C.ConfigError, match=r"pretrained.toml is a \[pretrained\] file.*qkgeom pretrained MODEL"):
+        C.load("pretrained")
 
 
 def test_orthogonal_needs_room():
