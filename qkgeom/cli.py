@@ -450,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     import signal
     import traceback
 
-    from qkgeom.errors import QKGeomError
+    from qkgeom.errors import QKGeomError, out_of_memory
 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `qkgeom sweep smoke --dry-run | head` ends quietly
     args = build_parser().parse_args(argv)
@@ -479,13 +479,13 @@ def main(argv: list[str] | None = None) -> int:
             traceback.print_exc()
         print(f"qkgeom {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except Exception:
+    except Exception as e:
+        if (why := out_of_memory(e)) is not None:  # a setting to lower, not a bug
+            print(f"qkgeom {args.command}: error: {why} (finished files are kept)", file=sys.stderr)
+            return 2
         traceback.print_exc()
-        print(
-            f"qkgeom {args.command}: this is a bug in qkgeom, not in your input; please report it with the "
-            "traceback above",
-            file=sys.stderr,
-        )
+        print(f"qkgeom {args.command}: this is a bug in qkgeom, not in your input; please report it with the "
+              "traceback above", file=sys.stderr)  # fmt: skip
         return 1
 
 

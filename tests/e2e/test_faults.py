@@ -508,6 +508,11 @@ ZOO = [
     (["train", "tiny", "--out", "{done}/config.json"], "config.json (finished files are kept; fix it, then run the"),
     (["pretrained", "{revs}/step_1", "--early-max-step", "-5"], "pretrained.early_max_step must be >= 0, got -5"),
     (["pretrained", "{revs}/step_1", "--config", "{tmp}/bare.toml"], "must hold a [pretrained] table and no other key"),
+    # an allocation no machine grants (vocab x 2**40 floats: past any address space, whatever the overcommit)
+    (
+        ["train", "tiny", "--set", "model.d_model=1099511627776", "--set", "model.n_heads=1"],
+        "error: out of host memory (allocating 1163264.00 GiB failed): lower train.batch_size",
+    ),
     (["sweep", "smoke", "--workers", "-1", "--out", "{empty}/s"], "--workers must be >= 0"),
     (["pretrained", "{revs}"], "its revisions step_1 are read with --all-revisions"),
 ]
@@ -598,6 +603,22 @@ def test_bad_input_zoo(reference, tmp_path, args, message):
     assert r.stderr.strip().count("\n") == 0 and message in r.stderr, r.stderr
     assert before == {p: p.read_bytes() for p in done.rglob("*") if p.is_file() and p.name != ".lock"}
     assert not any((tmp_path / "empty").iterdir()), "a refused command wrote into a folder it was given"
+
+
+def test_out_of_memory_reads_as_a_setting_to_lower_not_a_bug():
+    """A run too large for the machine printed a traceback and "this is a bug in qkgeom" (exit 1); on a GPU,
+    where a batch too large is the commonest failure, torch raises OutOfMemoryError with this text."""
+    import torch
+
+    from qkgeom.errors import out_of_memory
+
+    with pytest.raises(RuntimeError) as host:
+        torch.empty(2**60, dtype=torch.uint8)  # 1 EiB: past any address space, refused at once
+    assert out_of_memory(host.value).startswith("out of host memory (allocating 1073741824.00 GiB failed)")
+    gpu = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of "
+                                 "79.10 GiB of which 1.19 GiB is free.")  # fmt: skip
+    assert out_of_memory(gpu).startswith("out of GPU memory (allocating 2.00 GiB failed)")
+    assert out_of_memory(RuntimeError("shape mismatch")) is None and out_of_memory(KeyError("x")) is None
 
 
 def test_analyze_refuses_runs_that_are_not_seeds_of_one_design(tmp_path):
