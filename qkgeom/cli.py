@@ -445,7 +445,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: 0 done, 2 bad input or a refused operation (one line on stderr,
-    QKGeomError or an OS error such as a full disk), 130 interrupted, 1 a bug in qkgeom (traceback)."""
+    QKGeomError, an OS error such as a full disk, memory refused), 130 interrupted, 1 a bug (traceback)."""
     import os
     import signal
     import traceback
@@ -455,6 +455,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `qkgeom sweep smoke --dry-run | head` ends quietly
     args = build_parser().parse_args(argv)
     debug = os.environ.get("QKGEOM_DEBUG", "") not in ("", "0")
+
+    def refused(message: str) -> int:  # one line, exit 2; QKGEOM_DEBUG=1 adds the traceback
+        if debug:
+            traceback.print_exc()
+        print(f"qkgeom {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
     try:
         if getattr(args, "portable", False):
             args.overrides.append("train.portable=true")
@@ -465,24 +472,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"qkgeom {args.command}: interrupted (finished files are kept; {_resume_hint(args)})", file=sys.stderr)
         return 130
     except OSError as e:  # unwritable or full disk, --out on a file, ...: finished files are kept
-        if debug:
-            traceback.print_exc()
         where = f": {e.filename}" if e.filename else ""
-        print(
-            f"qkgeom {args.command}: error: {e.strerror or e}{where} (finished files are kept; fix it, then "
-            f"{_resume_hint(args, 'run the command again')})",
-            file=sys.stderr,
-        )
-        return 2
+        again = _resume_hint(args, "run the command again")
+        return refused(f"{e.strerror or e}{where} (finished files are kept; fix it, then {again})")
     except QKGeomError as e:
-        if debug:
-            traceback.print_exc()
-        print(f"qkgeom {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        return refused(str(e))
     except Exception as e:
         if (why := out_of_memory(e)) is not None:  # a setting to lower, not a bug
-            print(f"qkgeom {args.command}: error: {why} (finished files are kept)", file=sys.stderr)
-            return 2
+            return refused(f"{why} (finished files are kept)")
         traceback.print_exc()
         print(f"qkgeom {args.command}: this is a bug in qkgeom, not in your input; please report it with the "
               "traceback above", file=sys.stderr)  # fmt: skip
