@@ -18,9 +18,9 @@ import torch
 
 from qkgeom import device as D
 from qkgeom.config import DEFAULT_PROBE, ProbeSettings
-from qkgeom.errors import QKGeomError
 from qkgeom.probing import geometry as G
 from qkgeom.probing import logits as LG
+from qkgeom.probing.inputs import MeasureError, check_activations  # noqa: F401 (measure's errors)
 from qkgeom.probing.rows import Rows
 from qkgeom.probing.weights import ALPHA_METRICS, nonfinite_weights, weight_geometry  # noqa: F401 (part of the probe API)
 
@@ -349,44 +349,6 @@ def _hist_median(hist: Tensor) -> Tensor:
     return idx.double() / (ENTROPY_BINS - 1)
 
 
-class MeasureError(QKGeomError, ValueError):
-    """Activations handed to measure() of the wrong shape or with non-finite values."""
-
-
-def check_activations(qs: list[Tensor], ks: list[Tensor], pats: list[Tensor | None]) -> None:
-    """Shapes and finiteness of per-layer q (B, H_q, T, E), k (B, H_kv, T, E), pattern (B, H_q, T, T);
-    raises MeasureError naming the layer, the tensor and what is wrong."""
-    if not (len(qs) == len(ks) == len(pats)) or not qs:
-        raise MeasureError(f"q, k and pattern give {len(qs)}, {len(ks)} and {len(pats)} layers")
-    for i, (q, k, pat) in enumerate(zip(qs, ks, pats, strict=True)):
-        if q.dim() != 4 or k.dim() != 4:
-            raise MeasureError(f"layer {i}: q and k must be (B, H, T, E), got {tuple(q.shape)} and {tuple(k.shape)}")
-        (b, hq, t, e), (bk, hk, tk, ek) = q.shape, k.shape
-        if (b, t, e) != (bk, tk, ek) or hq % hk:
-            raise MeasureError(
-                f"layer {i}: k {tuple(k.shape)} does not match q {tuple(q.shape)} "
-                "(same B, T, E; H_q a multiple of H_kv)"
-            )
-        if pat is not None and tuple(pat.shape) != (b, hq, t, t):
-            raise MeasureError(
-                f"layer {i}: pattern has shape {tuple(pat.shape)}, expected (B, H_q, T, T) = {(b, hq, t, t)}"
-            )
-        for name, x in (("q", q), ("k", k), ("pattern", pat)):
-            if x is not None and not torch.isfinite(x).all():
-                bad = int((~torch.isfinite(x)).sum())
-                raise MeasureError(f"layer {i}: {name} has {bad} non-finite values (NaN or inf)")
-        if pat is not None and not _distributions(pat):
-            sums = pat.sum(-1, dtype=torch.float64)
-            lo, hi = D.host_list(torch.stack([sums.min(), sums.max()]))
-            raise MeasureError(f"layer {i}: pattern rows must be attention weights, non-negative and summing to 1 "
-                               f"(row sums {lo:.4g} to {hi:.4g})")  # fmt: skip
-
-
-def _distributions(pat: Tensor, atol: float = 1e-2) -> bool:
-    """Whether every row of `pat` is a probability distribution (to bf16 softmax's rounding: atol)."""
-    return bool((pat >= 0).all()) and bool(((pat.sum(-1, dtype=torch.float64) - 1).abs() <= atol).all())
-
-
 def measure(
     q: list[Tensor] | Tensor,
     k: list[Tensor] | Tensor,
@@ -437,12 +399,13 @@ def activation_geometry(
 
     qs, ks = layers(q), layers(k)
     pats = layers(pattern) if pattern is not None else [None] * len(qs)
-    check_activations(qs, ks, pats)
+    w_q, w_k = (None if w is None else layers(w) for w in (w_q, w_k))
+    check_activations(qs, ks, pats, w_q, w_k)
     acc = GeometryAccumulator(settings=settings)
     acc.update(QKSnapshot(q=qs, k=ks, pattern=pats, causal=causal))
     rows, spectra = acc.rows(), acc.spectra()
     if w_q is not None and w_k is not None:
-        w_rows, w_spectra = weight_geometry(layers(w_q), layers(w_k), conventions=settings.conventions)
+        w_rows, w_spectra = weight_geometry(w_q, w_k, conventions=settings.conventions)
         rows, spectra = rows + w_rows, spectra | w_spectra
     return rows, spectra
 

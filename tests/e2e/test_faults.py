@@ -657,6 +657,19 @@ def test_measure_names_bad_shapes_and_non_finite_values():
         qkgeom.measure(q, k, torch.full((2, 4, 8, 8), 2.5 / 8))  # entropies of rows that are not distributions
     numpy = qkgeom.measure(q.numpy(), k.numpy(), pattern.numpy())  # arrays are read as tensors
     assert numpy.equals(qkgeom.measure(q, k, pattern))
+    # weights: a 2-D matrix crashed in a permute; one side alone, another D, or more layers than q were
+    # measured without a word (the lone W_Q ignored), NaN weights into NaN rows
+    w_q, w_k = [torch.randn(4, 64, 16)], [torch.randn(2, 64, 16)]
+    assert len(qkgeom.measure(q, k, pattern, w_q=w_q, w_k=w_k)) > len(qkgeom.measure(q, k, pattern))
+    for wq, wk, says in [
+        ([torch.randn(64, 64)], w_k, r"w_q and w_k must be \(H, D, E\).*expected \(4, 'D', 16\) and \(2, 'D', 16\)"),
+        (w_q, [torch.randn(2, 32, 16)], r"got \(4, 64, 16\) and \(2, 32, 16\)"),
+        (w_q, None, "must both be given, one per layer of q \\(1\\), got 1 and None"),
+        (w_q * 2, w_k * 2, "got 2 and 2"),
+        ([torch.full((4, 64, 16), float("nan"))], w_k, "w_q has non-finite values"),
+    ]:
+        with pytest.raises(MeasureError, match=says):
+            qkgeom.measure(q, k, pattern, w_q=wq, w_k=wk)
 
 
 def test_analyse_names_batches_a_model_cannot_read():

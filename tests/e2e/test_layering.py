@@ -20,7 +20,7 @@ ORDER = [
     ["config"],
     ["results", "executor"],
     # probing: q, k, pattern -> rows
-    ["probing", "probing.geometry", "probing.hooks", "probing.archs"],
+    ["probing", "probing.geometry", "probing.hooks", "probing.archs", "probing.inputs"],
     ["probing.alpha", "probing.rows", "probing.logits"],
     ["probing.weights"],
     ["probing.probe"],
