@@ -13,7 +13,7 @@ Tensor = torch.Tensor
 
 
 class MeasureError(QKGeomError, ValueError):
-    """Activations handed to measure() of the wrong shape or with non-finite values."""
+    """Activations or weights handed to measure() of the wrong shape or with non-finite values."""
 
 
 def check_activations(
@@ -24,8 +24,6 @@ def check_activations(
     tensor and what is wrong."""
     if not (len(qs) == len(ks) == len(pats)) or not qs:
         raise MeasureError(f"q, k and pattern give {len(qs)}, {len(ks)} and {len(pats)} layers")
-    if w_qs is not None or w_ks is not None:
-        check_weights(qs, ks, w_qs, w_ks)
     for i, (q, k, pat) in enumerate(zip(qs, ks, pats, strict=True)):
         if q.dim() != 4 or k.dim() != 4:
             raise MeasureError(f"layer {i}: q and k must be (B, H, T, E), got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -48,6 +46,8 @@ def check_activations(
             lo, hi = D.host_list(torch.stack([sums.min(), sums.max()]))
             raise MeasureError(f"layer {i}: pattern rows must be attention weights, non-negative and summing to 1 "
                                f"(row sums {lo:.4g} to {hi:.4g})")  # fmt: skip
+    if w_qs is not None or w_ks is not None:  # after q and k: their shapes are known good
+        check_weights(qs, ks, w_qs, w_ks)
 
 
 def _distributions(pat: Tensor, atol: float = 1e-2) -> bool:

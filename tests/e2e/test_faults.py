@@ -670,6 +670,8 @@ def test_measure_names_bad_shapes_and_non_finite_values():
     ]:
         with pytest.raises(MeasureError, match=says):
             qkgeom.measure(q, k, pattern, w_q=wq, w_k=wk)
+    with pytest.raises(MeasureError, match="q and k must be"):  # a bad q is named, not a weight's IndexError
+        qkgeom.measure(q[0], k[0], w_q=w_q, w_k=w_k)
 
 
 def test_analyse_names_batches_a_model_cannot_read():
