@@ -71,7 +71,8 @@ def sweep_study(args: argparse.Namespace) -> tuple:
 
     check_pool(args.workers, args.gpus_per_run)
     spec = load_sweep(args.sweep, args.overrides)
-    robustness.registered(spec.analysis, dict.fromkeys([*robustness.MAIN_VARIANTS, *ladder.VARIANTS]))  # a typo: now
+    # a misspelt robustness variant is refused now, not by the analysis after every run has trained
+    robustness.registered(spec.analysis, dict.fromkeys([*robustness.MAIN_VARIANTS, *ladder.VARIANTS]))
     out = Path(args.out) if args.out else Path(args.runs) / spec.name
     records = records_dir(spec)
     recorded = _recorded(records)
