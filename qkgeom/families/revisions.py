@@ -95,7 +95,7 @@ def analyse_revision(
         return rd.path
     device = check_device(pc.device, "pretrained.device")  # before a model is loaded
     model = load_model(pc.model, revision).to(device)
-    limit = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    limit = archs.context_length(model)
     seq_len = min(pc.seq_len, limit) if limit else pc.seq_len  # e.g. our exported runs have n_ctx < 256
     path, _ = resolve_revision(pc.model, revision)
     tokens, prefix = tokens_fn(path)

@@ -223,6 +223,11 @@ ADD_ARCH_HINT = (
 )
 
 
+def context_length(model: nn.Module) -> int | None:
+    """The positions a model was built for: GPT-2's n_positions, else max_position_embeddings; None if neither."""
+    return getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+
+
 def arch_of(model: nn.Module) -> Arch:
     """The ARCHS row of a supported Hugging Face model; PretrainedError for any other."""
     mt = getattr(getattr(model, "config", None), "model_type", None)

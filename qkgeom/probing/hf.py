@@ -26,7 +26,15 @@ from torch import nn
 
 from qkgeom import device as D
 from qkgeom.config import DEFAULT_PROBE, ProbeSettings
-from qkgeom.probing.archs import ADD_ARCH_HINT, ARCHS, Arch, PretrainedError, arch_of, check_model_type
+from qkgeom.probing.archs import (
+    ADD_ARCH_HINT,
+    ARCHS,
+    Arch,
+    PretrainedError,
+    arch_of,
+    check_model_type,
+    context_length,
+)
 from qkgeom.probing.probe import GeometryAccumulator, nonfinite_weights, weight_geometry
 
 Tensor = torch.Tensor
@@ -351,7 +359,7 @@ def _input_ids(batches: Iterator[Tensor], model: nn.Module, arch: Arch) -> Itera
     ids (B, T) or (T,), within the context of a model with learned positions and, where the batch is on
     the host (no device sync), within the vocabulary. At least one batch."""
     n_vocab = model.get_input_embeddings().num_embeddings
-    context = getattr(model.config, "n_positions", None) or getattr(model.config, "max_position_embeddings", None)
+    context = context_length(model)
     i = -1
     for i, idx in enumerate(batches):
         if (why := ids_problem(idx, dims=(1, 2))) is not None:
