@@ -121,7 +121,7 @@ def test_spearman_ci_fisher_z():
     x = np.arange(20.0)
     y = x + np.random.default_rng(0).normal(0, 5, 20)
     rho, lo, hi, n = stats.spearman_ci(x, y)
-    half = 1.959964 * np.sqrt(1.06 / 17)
+    half = 1.959964 * np.sqrt((1 + rho**2 / 2) / 17)  # Bonett and Wright's standard error of z
     assert n == 20 and (lo, hi) == pytest.approx((np.tanh(np.arctanh(rho) - half), np.tanh(np.arctanh(rho) + half)))
 
 
