@@ -111,6 +111,12 @@ def _collect(root: Path) -> tuple[list, list, dict[str, pd.DataFrame], dict[str,
     return found, amended, variants, by_layer
 
 
+def primary_rows(root: str | Path) -> list[tuple[str, str, object]]:
+    """(study, primary id, claims row) of every pre-registered primary row of the studies under `root`,
+    the rows VERDICTS.md judges (a namedtuple of the study's current claims columns)."""
+    return [(study, pid, row) for study, pid, row, _ in _collect(Path(root))[0]]
+
+
 def _tested(found: list) -> tuple[list, np.ndarray, np.ndarray]:
     """Per row (sign-flip p, floor, Holm input p or NaN where the row is unreadable), then Holm over
     every study's rows (descriptive) and within each study (the error control)."""
