@@ -84,7 +84,10 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     return float(value) if tp is float else value
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+def build_dataclass(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    """A frozen config dataclass `cls` from nested plain data (TOML, config.json): every key known
+    (a replaced key names its successor), every value of its field's type; `prefix` names the
+    section in errors. Validation beyond types is the caller's (validate, for a RunConfig)."""
     if not isinstance(data, dict):
         raise ConfigError(f"config section {prefix.rstrip('.') or '<root>'!r} must be a table")
     hints = typing.get_type_hints(cls)
@@ -99,7 +102,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
     for name, value in data.items():
         tp = hints[name]
         if dataclasses.is_dataclass(tp):
-            kwargs[name] = _build(tp, value, f"{prefix}{name}.")
+            kwargs[name] = build_dataclass(tp, value, f"{prefix}{name}.")
         else:
             kwargs[name] = _coerce(value, tp, prefix + name)
     return cls(**kwargs)
@@ -107,7 +110,7 @@ def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
 
 def from_dict(data: dict[str, Any]) -> RunConfig:
     """Build and validate a RunConfig from nested plain data (as in config.json or TOML)."""
-    cfg = _build(RunConfig, data)
+    cfg = build_dataclass(RunConfig, data)
     validate(cfg)
     return cfg
 

@@ -9,7 +9,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from qkgeom.config import EARLY_MAX_STEP, ConfigError, ProbeSettings, _build, apply_overrides, resolve_preset
+from qkgeom.config import (
+    EARLY_MAX_STEP,
+    ConfigError,
+    ProbeSettings,
+    apply_overrides,
+    build_dataclass,
+    resolve_preset,
+)
 from qkgeom.device import DEVICE_PATTERN
 from qkgeom.errors import read_text
 
@@ -78,7 +85,7 @@ def load_pretrained(path: str | Path | None = None, overrides: list[str] | None 
         data = whole["pretrained"]
     # keys are written bare (n_tokens=...) or as in the file's table and the messages (pretrained.n_tokens=...)
     overrides = [o.removeprefix("pretrained.") for o in overrides or []]
-    pc = _build(PretrainedConfig, apply_overrides(data, overrides), "pretrained.")
+    pc = build_dataclass(PretrainedConfig, apply_overrides(data, overrides), "pretrained.")
 
     def need(ok: bool, msg: str) -> None:
         if not ok:

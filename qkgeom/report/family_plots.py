@@ -10,7 +10,7 @@ from matplotlib.figure import Figure
 
 from qkgeom.metrics import metric_label
 from qkgeom.probing.archs import one_site
-from qkgeom.report.plots import COLORS, _subplots
+from qkgeom.report.plots import COLORS, subplots
 
 
 def family_contrast(geometry: pd.DataFrame, revisions: pd.DataFrame) -> Figure:
@@ -19,7 +19,7 @@ def family_contrast(geometry: pd.DataFrame, revisions: pd.DataFrame) -> Figure:
         (geometry["metric"] == "participation_ratio_contrast") & (geometry["head"] == -1) & (geometry["step"] >= 0)
     ]
     sites = sorted(g["site"].unique())
-    fig, axes = _subplots(1, len(sites), figsize=(6 * len(sites), 4), squeeze=False)
+    fig, axes = subplots(1, len(sites), figsize=(6 * len(sites), 4), squeeze=False)
     flagged = set(revisions.loc[revisions["flag"] != "", "revision"])
     for ax, site in zip(axes[0], sites, strict=True):
         sub = g[g["site"] == site]
@@ -46,7 +46,7 @@ def model_heads(geometry: pd.DataFrame, revision: str) -> Figure:
     g = geometry[geometry["revision"] == revision]
     site = "post_rotary" if (g["site"] == "post_rotary").any() else "none"
     act = g[g["site"] == site]
-    fig, axes = _subplots(1, 3, figsize=(15, 4))
+    fig, axes = subplots(1, 3, figsize=(15, 4))
     layer = act[act["head"] == -1].pivot_table(index="layer", columns="metric", values="value")
     for side in ("query", "key"):
         axes[0].plot(layer.index, layer[f"{side}_participation_ratio"], "-o", ms=3, color=COLORS[side],
@@ -78,7 +78,7 @@ def family_seeds_contrast(fam: pd.DataFrame, early_max_step: int) -> Figure:
     g = fam[(fam["metric"] == "participation_ratio_contrast") & (fam["head"] == -1) & (fam["step"] >= 0)]
     g = g[g["site"] == one_site(g)["site"].iloc[0]]
     panels = [(f"layer {layer}", x) for layer, x in g.groupby("layer")] + [("layer mean", g)]
-    fig, axes = _subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), sharey=True, squeeze=False)
+    fig, axes = subplots(1, len(panels), figsize=(3.2 * len(panels), 3.4), sharey=True, squeeze=False)
     for ax, (title, x) in zip(axes[0], panels, strict=True):
         per_seed = x.groupby(["step", "seed"])["value"].mean().unstack("seed")
         ax.plot(per_seed.index, per_seed.to_numpy(), color="0.6", lw=0.8)
@@ -99,7 +99,7 @@ def heads_link(fam: pd.DataFrame, seeds: pd.DataFrame, statistic: str, per_step:
     """A family study: the across-heads Spearman of interaction rank with attention entropy at each
     revision (per seed, and the analysis' mean with its 95% interval: per_step has step, value,
     ci_low, ci_high, the F5 rows), and the per-head scatter at three revisions."""
-    fig, axes = _subplots(1, 4, figsize=(16, 3.6))
+    fig, axes = subplots(1, 4, figsize=(16, 3.6))
     rho = seeds[(seeds["statistic"] == statistic) & (seeds["step"] > 0)]
     ax = axes[0]
     ax.scatter(rho["step"], rho["rho"], s=8, color="0.6", label="seeds")
@@ -136,7 +136,7 @@ def ladder_slopes(summary: pd.DataFrame, metric: str = "PR_K") -> Figure:
     flips with tokens, the lines continue one another; if it flips with the LR schedule, each budget
     repeats the same shape at its own scale."""
     layers = sorted(summary["layer"].unique())
-    fig, axes = _subplots(1, len(layers), figsize=(3.2 * len(layers), 3.0), squeeze=False, sharey=True)
+    fig, axes = subplots(1, len(layers), figsize=(3.2 * len(layers), 3.0), squeeze=False, sharey=True)
     budgets = sorted(summary["budget_m"].unique())
     cmap = plt.get_cmap("viridis")
     for ax, layer in zip(axes[0], layers, strict=True):

@@ -21,14 +21,14 @@ from qkgeom.metrics import metric_label  # noqa: E402
 COLORS = {"query": "tab:blue", "key": "tab:orange"}
 
 
-def _subplots(*args, **kw):
+def subplots(*args, **kw):
     """plt.subplots under constrained layout: titles and colorbars never overlap a panel."""
     return plt.subplots(*args, layout="constrained", **kw)
 
 
 def _grid(df: pd.DataFrame, size: float = 3.2):
     depths, inits = sorted(df["n_layers"].unique()), sorted(df["qk_init"].unique())
-    fig, axes = _subplots(
+    fig, axes = subplots(
         len(depths), len(inits), figsize=(size * len(inits), 0.8 * size * len(depths)), squeeze=False, sharex=True
     )
     return fig, axes, depths, inits
@@ -107,7 +107,7 @@ def entropy_vs_prk(df: pd.DataFrame) -> Figure:
         .pivot_table(index=["run_id", "qk_init", "layer", "step"], columns="metric", values="value")
         .reset_index()
     )
-    fig, ax = _subplots(figsize=(6, 4.5))
+    fig, ax = subplots(figsize=(6, 4.5))
     for init, g in rows.groupby("qk_init"):
         ax.scatter(g["key_participation_ratio"], g["attention_entropy"], s=6, alpha=0.5, label=init)
     ax.set_xlabel("PR_K (layer)")
@@ -120,7 +120,7 @@ def entropy_vs_prk(df: pd.DataFrame) -> Figure:
 def interaction_spectra(spectra: dict[str, tuple[np.ndarray, np.ndarray]]) -> Figure:
     """Normalised squared singular values of W_Q^h (W_K^h)^T (mean over layers and heads) at each
     probe step. spectra: title -> (steps (P,), singular values (P, L, H, E))."""
-    fig, axes = _subplots(1, len(spectra), figsize=(4 * len(spectra), 3.5), squeeze=False)
+    fig, axes = subplots(1, len(spectra), figsize=(4 * len(spectra), 3.5), squeeze=False)
     for ax, (title, (steps, sv)) in zip(axes[0], spectra.items(), strict=True):
         energy = sv**2 / (sv**2).sum(-1, keepdims=True)
         profile = energy.mean((1, 2))  # (P, E)
@@ -146,7 +146,7 @@ def _arm_color(arm: str, arms: list[str]) -> str:
 
 def by_condition(df: pd.DataFrame, metric: str, ylabel: str, title: str) -> Figure:
     """Layer-mean `metric` against step per intervention condition, min-max band over seeds."""
-    fig, ax = _subplots(figsize=(7, 4.5))
+    fig, ax = subplots(figsize=(7, 4.5))
     rows = df[(df["head"] == -1) & (df["metric"] == metric)]
     arms = sorted(rows["intervention"].unique())
     for arm, g in rows.groupby("intervention"):
@@ -166,7 +166,7 @@ def control_tracking(df: pd.DataFrame) -> Figure:
     panels = [
         m for m in ("key_weight_participation_ratio", "interaction_rank") if (df["metric"] == f"{m}_target").any()
     ]
-    fig, axes = _subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4), squeeze=False)
+    fig, axes = subplots(1, max(1, len(panels)), figsize=(6 * max(1, len(panels)), 4), squeeze=False)
     arms = sorted(df["intervention"].unique())
     for ax, metric in zip(axes[0], panels, strict=False):
         target = df[df["metric"] == f"{metric}_target"]
@@ -190,7 +190,7 @@ def dose_response(points: pd.DataFrame, slopes: pd.DataFrame, summary: dict) -> 
     """Attention entropy against log activation PR_K per arm and seed (post-transient means), one
     line per seed: the causal estimate is the mean of these per-seed slopes (`summary`: its mean and
     95% interval, analysis.causal.dose_summary)."""
-    fig, ax = _subplots(figsize=(6.5, 4.5))
+    fig, ax = subplots(figsize=(6.5, 4.5))
     arms = sorted(points["intervention"].unique())
     fits = slopes.set_index("seed")
     for seed, g in points.groupby("seed"):
@@ -222,7 +222,7 @@ def dose_response(points: pd.DataFrame, slopes: pd.DataFrame, summary: dict) -> 
 def loss_curves(metrics: pd.DataFrame, by: str) -> Figure:
     """Validation loss against step, one line per run, coloured by the column `by` (the training
     loss where no run logged a validation loss, as a qkgeom.Probe loop may not)."""
-    fig, ax = _subplots(figsize=(6, 4))
+    fig, ax = subplots(figsize=(6, 4))
     split = "valid" if "split" in metrics and (metrics["split"] == "valid").any() else "train"
     val = metrics[metrics["split"] == split] if "split" in metrics else metrics.iloc[:0]
     cmap = plt.cm.tab10
@@ -245,7 +245,7 @@ def sensitivity(claims: pd.DataFrame, what: str = "Window sensitivity", cols: in
     shown = [n for n in names if np.isfinite(claims.loc[claims["claim"] == n, "value"].astype(float)).any()]
     cols = max(1, min(cols, len(shown)))
     rows = max(1, -(-len(shown) // cols))
-    fig, axes = _subplots(rows, cols, figsize=(4.4 * cols, 2.9 * rows), squeeze=False)
+    fig, axes = subplots(rows, cols, figsize=(4.4 * cols, 2.9 * rows), squeeze=False)
     for ax, name in zip(axes.flat, shown, strict=False):
         c = claims[claims["claim"] == name]
         x = np.arange(len(c))
@@ -269,7 +269,7 @@ def slope_by_depth(table: pd.DataFrame) -> Figure:
     """Post-transient slopes of PR_Q and PR_K against relative depth, per init and depth: the seed mean
     with the 95% t-interval the analysis wrote (analysis.claims.slope_by_depth)."""
     inits = sorted(table["qk_init"].unique())
-    fig, axes = _subplots(1, 2, figsize=(10, 3.6), sharex=True)
+    fig, axes = subplots(1, 2, figsize=(10, 3.6), sharex=True)
     for ax, (side, name) in zip(
         axes,
         [("query", metric_label("query_participation_ratio")), ("key", metric_label("key_participation_ratio"))],
@@ -298,7 +298,7 @@ def layer_trajectories(df: pd.DataFrame) -> Figure:
     layers = sorted(rows["layer"].unique())
     cols = min(4, len(layers))
     nrows = -(-len(layers) // cols)
-    fig, axes = _subplots(nrows, cols, figsize=(3.4 * cols, 2.8 * nrows), squeeze=False, sharex=True)
+    fig, axes = subplots(nrows, cols, figsize=(3.4 * cols, 2.8 * nrows), squeeze=False, sharex=True)
     for ax in axes.flat[len(layers) :]:
         ax.set_visible(False)
     for ax, layer in zip(axes.flat, layers, strict=False):
@@ -324,7 +324,7 @@ def energy_ranks(table: pd.DataFrame, title: str) -> Figure:
     and their ratio weights / data."""
     t = table.sort_values(["layer", "head"]).reset_index(drop=True)
     x = np.arange(len(t))
-    fig, axes = _subplots(1, 2, figsize=(12, 3.6))
+    fig, axes = subplots(1, 2, figsize=(12, 3.6))
     axes[0].plot(x, t["weight_rank90"], "o", ms=4, label="W_Q W_K^T (weights)")
     axes[0].plot(x, t["data_rank90"], "x", ms=5, label="row-centred Q K^T on data")
     axes[0].set_ylabel("components for 90% of the energy")
@@ -344,7 +344,7 @@ def spectral_lifecycle(life: pd.DataFrame, title: str) -> Figure:
     """alpha (top) and PR (bottom) of each projection's whole matrix per layer over training, one column
     per matrix (analysis.spectral.lifecycle); the heavy-tail reading of the 2026 lifecycle study."""
     mats = [m for m in ("W_Q", "W_K", "W_V", "W_O") if m in set(life["matrix"])]
-    fig, axes = _subplots(2, len(mats), figsize=(3.4 * len(mats), 5.6), squeeze=False, sharex=True)
+    fig, axes = subplots(2, len(mats), figsize=(3.4 * len(mats), 5.6), squeeze=False, sharex=True)
     layers = sorted(life["layer"].unique())
     cmap = plt.get_cmap("viridis", max(2, len(layers)))
     for j, m in enumerate(mats):
@@ -368,7 +368,7 @@ def matched_dose(table: pd.DataFrame) -> Figure:
     """Causal v4 (analysis.matched.dose_table): per controlled layer, each arm's entropy change against
     its delivered dose, both vs the sham, as points with the 95% intervals the analysis wrote."""
     layers = sorted(table["layer"].unique())
-    fig, axes = _subplots(1, len(layers), figsize=(4.2 * len(layers), 4), squeeze=False, sharey=True)
+    fig, axes = subplots(1, len(layers), figsize=(4.2 * len(layers), 4), squeeze=False, sharey=True)
     arms = sorted(table["arm"].unique())
     for ax, layer in zip(axes[0], layers, strict=True):
         for r in table[table["layer"] == layer].itertuples(index=False):

@@ -68,7 +68,6 @@ from qkgeom.errors import QKGeomError
 from qkgeom.probing.geometry import interaction_singular_values, participation_ratio, singular_values
 from qkgeom.results import RunDir
 from qkgeom.training.maps import (
-    _set_interaction,
     hold_profile,
     interaction_svd,
     key_shape_map,
@@ -78,6 +77,7 @@ from qkgeom.training.maps import (
     match_row_std,
     profiles_with_pr,
     scheduled_target,
+    set_interaction,
     set_key_spectrum,
 )
 
@@ -378,7 +378,7 @@ class SpectrumControl:
             s_new = torch.where(act.unsqueeze(-1), profiles_with_pr(s, target), s)
         if self.cfg.on == "key":
             return sel_q, set_key_spectrum(sel_k, s, v, s_new), act
-        return (*_set_interaction(sel_q, sel_k, svd, s_new), act)
+        return (*set_interaction(sel_q, sel_k, svd, s_new), act)
 
     def rows(self, step: int) -> list[dict]:
         """Target rows (`<controlled metric>_target`) of the controlled heads, next to the achieved value;

@@ -111,7 +111,10 @@ def interaction_svd(w_q: Tensor, w_k: Tensor) -> tuple[Tensor, ...]:
     return s, a, bh.transpose(-1, -2), u_q, r_q, u_k, r_k
 
 
-def _set_interaction(w_q: Tensor, w_k: Tensor, svd: tuple[Tensor, ...], s_new: Tensor) -> tuple[Tensor, Tensor]:
+def set_interaction(w_q: Tensor, w_k: Tensor, svd: tuple[Tensor, ...], s_new: Tensor) -> tuple[Tensor, Tensor]:
+    """(W_Q', W_K') whose interaction W_Q' W_K'^T has singular values s_new and the singular vectors of
+    W_Q W_K^T (svd: interaction_svd of w_q, w_k): each side takes the square root of the ratio
+    s_new / s in the interaction's own basis; directions with s ~ 0 are left as they are."""
     s, a, b, u_q, r_q, u_k, r_k = svd
     d = torch.where(s > 1e-12 * s[..., :1], (s_new / s.clamp_min(1e-300)).sqrt(), torch.ones_like(s)) - 1
     new_q = _update_factor(w_q, u_q, (a * d.unsqueeze(-2)) @ a.transpose(-1, -2), r_q)

@@ -106,6 +106,42 @@ def test_imports_only_point_down():
     assert not upward, "\n".join(upward)
 
 
+def private_reaches(path: Path) -> list[str]:
+    """Where `path` uses another qkgeom module's private name: `from qkgeom.x import _f`, or `m._f` (at
+    any depth of an attribute chain) on a name bound by importing from qkgeom."""
+    tree = ast.parse(path.read_text())
+    bound, found = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "qkgeom":
+            for a in node.names:
+                bound.add(a.asname or a.name)
+                if a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{path.name}:{node.lineno} from {node.module} import {a.name}")
+        elif isinstance(node, ast.Import):
+            bound |= {a.asname or a.name.split(".")[0] for a in node.names if a.name.split(".")[0] == "qkgeom"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            while isinstance(base, ast.Attribute):
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in bound:
+                found.append(f"{path.name}:{node.lineno} {ast.unparse(node)}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """A name one module needs from another is public there, with a docstring (DESIGN.md: no private
+    library names reached into)."""
+    found = [f for p in sorted(PACKAGE.rglob("*.py")) for f in private_reaches(p)]
+    assert not found, "\n".join(found)
+
+
+def test_the_private_name_check_finds_both_forms(tmp_path):
+    mod = tmp_path / "m.py"
+    mod.write_text("from qkgeom.config import _build\nfrom qkgeom import results as R\nR._x.y\nR.path.__name__\n")
+    assert private_reaches(mod) == ["m.py:1 from qkgeom.config import _build", "m.py:3 R._x"]
+
+
 def test_a_bare_import_of_the_package_counts(tmp_path):
     mod = tmp_path / "results.py"
     mod.write_text("def f():\n    import qkgeom\n    return qkgeom.__version__\n")

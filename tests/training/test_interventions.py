@@ -28,7 +28,7 @@ def set_interaction_spectrum(w_q: torch.Tensor, w_k: torch.Tensor, s_new: torch.
     if s_new is None:
         return (interaction_singular_values(w_q, w_k),)
     svd = M.interaction_svd(w_q, w_k)
-    return (svd[0], *M._set_interaction(w_q, w_k, svd, s_new))
+    return (svd[0], *M.set_interaction(w_q, w_k, svd, s_new))
 
 
 @pytest.mark.parametrize("target", [1.0, 1.7, 3.0, 5.5, 8.0])
