@@ -1,17 +1,10 @@
-"""The causal test: an intervention study read against each seed's unconstrained (`none`) run.
+"""The causal test: an intervention study read against each seed's unconstrained (`none`) run, on
+one window per seed (dose.with_seed_window).
 
-- **One window per seed.** All arms of a seed are averaged over the same probes: from the transient
-  end detected on that seed's `none` run (analysis.transient_ends) to the end of the run. An arm's
-  own detected window could differ by a probe, worth about as much as the effects under test.
 - **Manipulation first.** Each arm is checked against `none` on the mediators (weight PR_K,
   activation PR_K, interaction rank, logit-spectrum PR); its outcome (attention entropy) is judged
   only if it moved its activation-side mediator in the intended direction.
-- **The causal estimate, three ways** (per target, W_K or W_Q W_K^T, over none + its contract/expand
-  arms, one value per seed, t-interval over seeds):
-  dose-response (slope of entropy on the achieved log mediator, >= 3 arms); reduced form (slope of
-  entropy on the *assigned* log ratio, 0 for none); first stage (slope of the log mediator on the
-  assigned log ratio); IV = reduced form / first stage, with Fieller's interval (unbounded when the
-  first stage is too weak to identify it).
+- **The causal estimate, three ways**: dose-response, reduced form and first stage, IV (dose.py).
 - **Hold at matched loss.** Holding W_K slows learning; hold's entropy is compared with none's at
   the same validation loss, interpolated along none's loss curve.
 Every verdict row carries mde_80 (stats.mde): the smallest effect it had 80% power to detect.
@@ -35,47 +28,20 @@ from qkgeom.analysis.arms import (  # noqa: F401 (the arm vocabulary, read by th
     is_matched,
     parse_arm,
 )
-from qkgeom.analysis.claims import layer_metric, transient_ends, window
-from qkgeom.analysis.rows import claim_row, rows_table, seed_row
+from qkgeom.analysis.claims import layer_metric, window
+from qkgeom.analysis.dose import (
+    arm_means,
+    causal_estimates,
+    fieller_row,
+    in_window,
+    intervention_row,
+    paired,
+    seed_window_note,
+    with_seed_window,
+)
+from qkgeom.analysis.rows import rows_table
 from qkgeom.analysis.runs import INSTANT_METRIC
-from qkgeom.arms import CHECK_MEDIATOR, Arm
-
-SHAPE_DOSE_CLAIM = "dose-response at matched logit scale: slope of attention entropy on log activation PR_K"
-
-DOSE_CLAIM = "dose-response: slope of attention entropy on log activation PR_K"  # the pre-registered name
-
-
-def with_seed_window(df: pd.DataFrame) -> pd.DataFrame:
-    """df with `transient_end` = the transient end of the same seed's `none` run, for every arm
-    (a seed without a `none` run keeps its own runs' ends)."""
-    ends = transient_ends(df)
-    runs = df[["run_id", "seed", "intervention"]].drop_duplicates("run_id").set_index("run_id")
-    none_end = runs[runs["intervention"] == "none"].reset_index().set_index("seed")["run_id"].map(ends)
-    start = runs["seed"].map(none_end).fillna(ends)
-    return df.assign(transient_end=df["run_id"].map(start).astype(int))
-
-
-def seed_window_note(df: pd.DataFrame) -> str:
-    """The window note of a causal table: each seed's start, its none run's transient end."""
-    starts = df.groupby("seed")["transient_end"].first()
-    return "per seed, from its none run's transient end: " + ", ".join(f"{s}: {v}" for s, v in starts.items())
-
-
-def _paired(values: pd.Series, arm: str) -> pd.Series:
-    """Per-seed difference arm - none of a Series indexed by (intervention, seed)."""
-    wide = values.unstack("intervention")
-    if arm not in wide or "none" not in wide:
-        return pd.Series(dtype=float)
-    return (wide[arm] - wide["none"]).dropna()
-
-
-def _verdict_row(
-    v: np.ndarray, *, claim: str, claim_id: str, group: str, window: str, sign: int | None, note: str, **kw
-) -> dict:
-    """mean, 95% t-interval over seeds, mde_80 and (with a predicted sign) the verdict."""
-    return seed_row(
-        v, study="intervention", claim=claim, claim_id=claim_id, group=group, window=window, sign=sign, note=note, **kw
-    )
+from qkgeom.arms import Arm
 
 
 def _direction_row(
@@ -92,165 +58,15 @@ def _direction_row(
         pd_ = stats.probability_of_direction(v, sign)
         detail = f"sign test p = {p:.3g}; probability of direction {pd_:.3f}; {detail}"
         extra = dict(p_value=p) | (dict(verdict=verdict) if verdict else {})
-    row = _verdict_row(v, claim=claim, claim_id=cid, group=group, window=win, sign=sign, note=note, detail=detail,
+    row = intervention_row(v, claim=claim, claim_id=cid, group=group, window=win, sign=sign, note=note, detail=detail,
                        **extra)  # fmt: skip
     row["interval"] = "95% t over seeds (paired)"
     return [row]
 
 
-def _in_window(rows: pd.DataFrame, win: str) -> pd.DataFrame:
-    """The rows of a window, or of the final probe (`final`)."""
-    return rows[rows["step"] == rows["steps"]] if win == "final" else window(rows, win)
-
-
-def arm_means(df: pd.DataFrame, metric: str, win: str = "post-transient") -> pd.Series:
-    """Layer-mean `metric` per (intervention, seed): averaged over the window's probes, or at the final probe."""
-    return _in_window(layer_metric(df, metric), win).groupby(["intervention", "seed"])["value"].mean()
-
-
-def dose_points(df: pd.DataFrame) -> pd.DataFrame:
-    """Per (arm, seed): window means of attention entropy and of each target's check mediator (log),
-    the assigned log ratio, and `in_fit` for the W_K dose-response (none and contract/expand on W_K)."""
-    return _dose_points(with_seed_window(df))
-
-
-def _dose_points(df: pd.DataFrame) -> pd.DataFrame:
-    """dose_points of a frame that already has the seed window (with_seed_window)."""
-    pts = pd.DataFrame({"entropy": arm_means(df, "attention_entropy")})
-    for metric in dict.fromkeys(CHECK_MEDIATOR.values()):
-        if (df["metric"] == metric).any():
-            pts[f"log_{metric}"] = np.log(arm_means(df, metric))
-    pts = pts.reset_index()
-    pts["log_pr_k"] = pts.get("log_key_participation_ratio", np.nan)
-    parsed = pts["intervention"].map(parse_arm)
-    pts["kind"], pts["on"] = parsed.str[0], parsed.str[1]
-    pts["log_ratio"] = np.log(parsed.str[2].astype(float))
-    pts["in_fit"] = (pts["kind"] == "none") | (pts["kind"].isin(["contract", "expand"]) & (pts["on"] == "key"))
-    pts.loc[pts["kind"] == "shape", "in_fit"] = True  # the key activations' PR, steered directly
-    return pts
-
-
-def dose_response(pts: pd.DataFrame) -> pd.DataFrame:
-    """Per seed, from dose_points: OLS slope of attention entropy on log activation PR_K (window means,
-    layer mean) across the none / contract / expand arms on W_K. Columns: seed, slope, intercept,
-    n_arms, and the range of log PR_K the fit spans (x_min, x_max: where the figure draws the line)."""
-    out = []
-    for seed, g in pts[pts["in_fit"]].groupby("seed"):
-        b = stats.slope(g["log_pr_k"], g["entropy"])
-        a = float(g["entropy"].mean() - b * g["log_pr_k"].mean()) if np.isfinite(b) else np.nan
-        x = g["log_pr_k"]
-        out.append({"seed": seed, "slope": b, "intercept": a, "n_arms": len(g), "x_min": x.min(), "x_max": x.max()})
-    return pd.DataFrame(out, columns=["seed", "slope", "intercept", "n_arms", "x_min", "x_max"])
-
-
-def dose_summary(slopes: pd.DataFrame) -> dict:
-    """The dose-response estimate the figure's title states: mean of the per-seed slopes, its 95%
-    t-interval and n."""
-    v = slopes["slope"].dropna().to_numpy()
-    lo, hi = stats.t_mean_ci(v)
-    return {"slope": float(np.mean(v)) if len(v) else np.nan, "low": lo, "high": hi, "n": len(v)}
-
-
-def causal_estimates(df: pd.DataFrame, note: str, unread: set[str] = frozenset()) -> list[dict]:
-    """Per target (W_K, W_Q W_K^T; the key activations' PR for the shape arms at matched scale) with
-    contract/expand/shape arms: dose-response (>= 3 arms), reduced form, first stage and IV, one value
-    per seed, intervals over seeds (module docstring). `df` has the seed window (with_seed_window).
-    unread: matched-scale arms whose scale check failed; a target with one gets no verdicts."""
-    pts = _dose_points(df)
-    rows: list[dict] = []
-    for on in ("key", "interaction", "activation"):
-        kinds = ["shape"] if on == "activation" else ["contract", "expand"]
-        sel = pts[(pts["kind"] == "none") | (pts["kind"].isin(kinds) & (pts["on"] == on))]
-        med = f"log_{CHECK_MEDIATOR[on]}"
-        if sel["kind"].nunique() < 2 or med not in sel:
-            continue
-        group, label = f"none + {'/'.join(kinds)} on {TARGET[on]}", LABEL[CHECK_MEDIATOR[on]]
-        if on == "activation":
-            group += " at matched logit scale"
-        blocked = sorted(set(sel["intervention"]) & set(unread))
-        per_seed = pd.DataFrame(
-            {
-                "reduced": sel.groupby("seed").apply(lambda g: stats.slope(g["log_ratio"], g["entropy"])),
-                "first": sel.groupby("seed").apply(lambda g: stats.slope(g["log_ratio"], g[med])),
-                "dose": sel.groupby("seed").apply(lambda g: stats.slope(g[med], g["entropy"])),
-                "n_arms": sel.groupby("seed").size(),
-            }
-        ).dropna(subset=["reduced", "first"])
-        if len(per_seed) < 2:
-            continue
-        arms = int(per_seed["n_arms"].min())
-        if arms >= 3:
-            name = {"key": DOSE_CLAIM, "activation": SHAPE_DOSE_CLAIM}.get(
-                on, f"dose-response: slope of attention entropy on log {label}"
-            )
-            v = per_seed["dose"].to_numpy()
-            rows.append(
-                _verdict_row(
-                    v,
-                    claim=name,
-                    claim_id=f"dose_response:{on}",
-                    group=group,
-                    window="post-transient",
-                    sign=+1,
-                    note=note,
-                    detail=f"per-seed slopes {np.round(v, 4).tolist()}; {arms} arms each",
-                )
-            )
-        rf, fs = per_seed["reduced"].to_numpy(), per_seed["first"].to_numpy()
-        rows.append(
-            _verdict_row(
-                rf,
-                claim=f"reduced form: attention entropy per unit assigned log ratio of {TARGET[on]}",
-                claim_id=f"reduced_form:{on}",
-                group=group,
-                window="post-transient",
-                sign=+1,
-                note=note,
-                detail=f"per-seed {np.round(rf, 4).tolist()}",
-            )
-        )
-        first = _verdict_row(
-            fs,
-            claim=f"first stage: log {label} per unit assigned log ratio of {TARGET[on]}",
-            claim_id=f"first_stage:{on}",
-            group=group,
-            window="post-transient",
-            sign=+1,
-            note=note,
-            detail=f"per-seed {np.round(fs, 4).tolist()}",
-        )
-        rows.append(first)
-        rows.append(
-            _fieller_row(
-                rf, fs, +1, note,
-                claim=f"IV: attention entropy per unit log {label} (reduced form / first stage)",
-                claim_id=f"iv:{on}",
-                group=group,
-                seeds_agreeing=f"{int(np.sum(np.sign(rf) == np.sign(fs)))}/{len(rf)}",
-                mde_80=stats.mde(rf) / abs(fs.mean()) if fs.mean() else np.nan,
-                detail="mde_80 = reduced form's mde / mean first stage; unbounded interval: first stage too weak",
-            )
-        )  # fmt: skip
-        if blocked:  # read only at matched scale: the target's rows keep their numbers, not their verdicts
-            for r in rows:
-                if r["group"] == group and r.get("predicted") and not r["claim_id"].startswith("first_stage:"):
-                    r["verdict"] = f"scale not matched ({', '.join(blocked)})"
-    return rows
-
-
-def _fieller_row(num: np.ndarray, den: np.ndarray, sign: int, note: str, **kw) -> dict:
-    """A claims row for mean(num) / mean(den) over seeds with Fieller's 95% interval, judged by `sign`."""
-    value, lo, hi = stats.fieller_ratio_ci(num, den)
-    return claim_row(
-        study="intervention", window="post-transient", value=value, lo=lo, hi=hi, n=len(num),
-        predicted="+" if sign > 0 else "-", verdict=stats.verdict(lo, hi, sign), interval="95% Fieller over seeds",
-        window_start=note, **kw,
-    )  # fmt: skip
-
-
 def _log_paired(df: pd.DataFrame, metric: str, arm: str) -> pd.Series:
     """Per seed: log(arm / none) of the window-mean, layer-mean metric."""
-    return _paired(np.log(arm_means(df, metric)), arm)
+    return paired(np.log(arm_means(df, metric)), arm)
 
 
 def _delivered_dose_row(df: pd.DataFrame, arm: str, metric: str, note: str) -> list[dict]:
@@ -293,13 +109,13 @@ def temperature_rows(df: pd.DataFrame, note: str) -> list[dict]:
     (half the log ratio of the logit scale), Fieller's interval over seeds; predicted < 0."""
     rows = []
     for arm in sorted(a for a in df["intervention"].unique() if parse_arm(a)[1] == "logit"):  # scale kinds
-        ent = _paired(arm_means(df, "attention_entropy"), arm)
+        ent = paired(arm_means(df, "attention_entropy"), arm)
         dose = 0.5 * _log_paired(df, "input_logit_scale", arm)
         both = pd.concat({"ent": ent, "dose": dose}, axis=1).dropna()
         if len(both) < 2:
             continue
         rows.append(
-            _fieller_row(
+            fieller_row(
                 both["ent"].to_numpy(), both["dose"].to_numpy(), -1, note,
                 claim=f"{arm}: attention entropy per unit delivered log logit factor (the scale path)",
                 claim_id=claim_id(arm, "none", "entropy_per_log_logit_factor"),
@@ -327,7 +143,7 @@ def instant_rows(df: pd.DataFrame, note: str) -> list[dict]:
             change, f"{arm}: instantaneous entropy change of its map on none weights (no training)",
             claim_id(arm, "none", "instant_entropy_change"), "mean over layers", "post-transient", None, note,
         )  # fmt: skip
-        trained = _paired(trained_all, arm)
+        trained = paired(trained_all, arm)
         learned = (trained - change).dropna()
         rows += _direction_row(
             learned, f"{arm} - none: learned effect (trained - instantaneous), attention entropy (nats)",
@@ -402,7 +218,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
         check_ok = True
         for metric, label in MEDIATORS:
             r = _direction_row(
-                _paired(arm_means(df, metric), arm),
+                paired(arm_means(df, metric), arm),
                 f"{arm} - none: manipulation check, {label}",
                 claim_id(arm, "none", f"{'manipulation_check' if metric == check else 'mediator'}:{metric}"),
                 "mean over layers",
@@ -424,7 +240,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
                 check_ok = False
                 unread.add(arm)
         rows += _direction_row(
-            _paired(arm_means(df, "logit_spectral_norm"), arm),
+            paired(arm_means(df, "logit_spectral_norm"), arm),
             f"{arm} - none: logit spectral norm",
             claim_id(arm, "none", "logit_spectral_norm"),
             "mean over layers",
@@ -434,7 +250,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
         )
         for win in ("post-transient", "final"):
             rows += _direction_row(
-                _paired(arm_means(df, "attention_entropy", win), arm),
+                paired(arm_means(df, "attention_entropy", win), arm),
                 f"{arm} - none: attention entropy (nats)",
                 claim_id(arm, "none", "attention_entropy"),
                 "mean over layers",
@@ -443,9 +259,9 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
                 note,
                 verdict=None if check_ok else "scale not matched" if arm in unread else "manipulation failed",
             )
-            for layer, g in _in_window(layer_metric(df, "attention_entropy"), win).groupby("layer"):
+            for layer, g in in_window(layer_metric(df, "attention_entropy"), win).groupby("layer"):
                 rows += _direction_row(
-                    _paired(g.groupby(["intervention", "seed"])["value"].mean(), arm),
+                    paired(g.groupby(["intervention", "seed"])["value"].mean(), arm),
                     f"{arm} - none: attention entropy (nats)",
                     claim_id(arm, "none", "attention_entropy"),
                     f"layer={layer}",
@@ -456,7 +272,7 @@ def claims_intervention(df: pd.DataFrame, metrics: pd.DataFrame) -> pd.DataFrame
         val = metrics[metrics["split"] == "valid"]
         val = val[val["step"] == val["steps"]].groupby(["intervention", "seed"])["loss"].mean()
         rows += _direction_row(
-            _paired(val, arm), f"{arm} - none: validation loss (nats/char)",
+            paired(val, arm), f"{arm} - none: validation loss (nats/char)",
             claim_id(arm, "none", "final_validation_loss"), "final", "final", None, note,
         )  # fmt: skip
     rows += causal_estimates(df, note, unread)

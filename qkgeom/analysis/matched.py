@@ -38,8 +38,8 @@ import pandas as pd
 
 from qkgeom.analysis import stats
 from qkgeom.analysis.arms import SCALE_MARGIN, claim_id, parse_arm
-from qkgeom.analysis.causal import seed_window_note, with_seed_window
 from qkgeom.analysis.claims import window
+from qkgeom.analysis.dose import seed_window_note, with_seed_window
 from qkgeom.analysis.rows import rows_table, seed_row
 from qkgeom.analysis.runs import INSTANT_METRIC
 from qkgeom.arms import Arm

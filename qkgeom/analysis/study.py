@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from qkgeom.analysis import causal, layers, matched
+from qkgeom.analysis import causal, dose, layers, matched
 from qkgeom.analysis import claims as A
 from qkgeom.analysis import primary as P
 from qkgeom.analysis import robustness as R
@@ -53,7 +53,7 @@ class Analysis:
     slope_depth: pd.DataFrame | None = None  # claims.slope_by_depth of per_run: mean and 95% t by relative depth
     dose_points: pd.DataFrame | None = None  # per (seed, arm) window means (intervention studies)
     dose_slopes: pd.DataFrame | None = None  # per seed dose-response fit
-    dose_summary: dict | None = None  # their mean, 95% t-interval and n (causal.dose_summary)
+    dose_summary: dict | None = None  # their mean, 95% t-interval and n (dose.dose_summary)
     matched_dose: pd.DataFrame | None = None  # causal v4: per (layer, arm) dose and entropy vs sham, 95% t
     blind: str = ""  # an incomplete study's outcomes hidden: "k of n seeds recorded; primary outcome hidden"
     shown: Shown | None = None  # context, spectral tables, a single run's table (analysis.shown)
@@ -107,12 +107,12 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     for name in ("energy_ranks", "lifecycle_depth"):
         if (df := getattr(extra_tables, name)) is not None and len(df):
             write_table(path, name, df)
-    points = causal.dose_points(geometry) if geometry["intervention"].nunique() > 1 and not blind else None
-    fits = causal.dose_response(points) if points is not None else None
+    points = dose.dose_points(geometry) if geometry["intervention"].nunique() > 1 and not blind else None
+    fits = dose.dose_response(points) if points is not None else None
     return Analysis(
         path, geometry, metrics, traj, claims, sens, skipped, tables.get("horizon"), per_run=per_run,
         slope_depth=A.slope_by_depth(per_run) if len(per_run) else None, dose_points=points, dose_slopes=fits,
-        dose_summary=causal.dose_summary(fits) if fits is not None and len(fits) else None,
+        dose_summary=dose.dose_summary(fits) if fits is not None and len(fits) else None,
         matched_dose=tables.get("matched_dose"), blind=blind, shown=extra_tables,
         verdict_table=tables["verdicts"], headline=causal.headline(claims),
     )  # fmt: skip

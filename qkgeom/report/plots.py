@@ -189,7 +189,7 @@ def control_tracking(df: pd.DataFrame) -> Figure:
 def dose_response(points: pd.DataFrame, slopes: pd.DataFrame, summary: dict) -> Figure:
     """Attention entropy against log activation PR_K per arm and seed (post-transient means), one
     line per seed: the causal estimate is the mean of these per-seed slopes (`summary`: its mean and
-    95% interval, analysis.causal.dose_summary)."""
+    95% interval, analysis.dose.dose_summary)."""
     fig, ax = subplots(figsize=(6.5, 4.5))
     arms = sorted(points["intervention"].unique())
     fits = slopes.set_index("seed")

@@ -6,6 +6,7 @@ import pandas as pd
 import pytest
 
 from qkgeom.analysis import causal, stats
+from qkgeom.analysis.dose import DOSE_CLAIM, SHAPE_DOSE_CLAIM, seed_window_note, with_seed_window
 from tests.analysis.test_analysis import STEPS, claim, synthetic
 
 SEEDS = range(5)
@@ -35,9 +36,9 @@ def test_one_window_per_seed_from_its_none_run():
             synthetic(seeds=SEEDS, inits=("independent",), intervention="hold:key", fn=collapse(0.5)),
         ]
     )
-    w = causal.with_seed_window(df)
+    w = with_seed_window(df)
     assert set(w["transient_end"]) == {10}  # the hold runs' own ends (20) are not used
-    assert causal.seed_window_note(w).endswith("0: 10, 1: 10, 2: 10, 3: 10, 4: 10")
+    assert seed_window_note(w).endswith("0: 10, 1: 10, 2: 10, 3: 10, 4: 10")
 
 
 def test_reduced_form_first_stage_and_iv_known_values():
@@ -62,7 +63,7 @@ def test_reduced_form_first_stage_and_iv_known_values():
     )
     lo, hi = stats.t_mean_ci(bs)
     assert (iv["value"], iv["ci_low"], iv["ci_high"]) == pytest.approx((bs.mean() / 0.5, lo / 0.5, hi / 0.5))
-    dose = claim(c, causal.DOSE_CLAIM, group, "post-transient")
+    dose = claim(c, DOSE_CLAIM, group, "post-transient")
     assert dose["value"] == pytest.approx(bs.mean() / 0.5)  # entropy on achieved log PR_K: b_s / 0.5
 
 
@@ -132,7 +133,7 @@ def test_shape_arms_at_matched_scale_known_dose_response_and_scale_gate():
 
     c = run(1.0)
     group = "none + shape on the key activations' PR (shape) at matched logit scale"
-    dose = claim(c, causal.SHAPE_DOSE_CLAIM, group, "post-transient")
+    dose = claim(c, SHAPE_DOSE_CLAIM, group, "post-transient")
     assert dose["value"] == pytest.approx(np.mean(list(b.values()))) and dose["verdict"] == "holds"
     check = claim(c, "shape:activation:0.7:matched - none: scale check, log per-row logit std (TOST +-5%)",
                   "mean over layers", "post-transient")  # fmt: skip
@@ -144,7 +145,7 @@ def test_shape_arms_at_matched_scale_known_dose_response_and_scale_gate():
     check = claim(c, "shape:activation:1.4:matched - none: scale check, log per-row logit std (TOST +-5%)",
                   "mean over layers", "post-transient")  # fmt: skip
     assert check["verdict"] == "scale not matched"
-    dose = claim(c, causal.SHAPE_DOSE_CLAIM, group, "post-transient")
+    dose = claim(c, SHAPE_DOSE_CLAIM, group, "post-transient")
     assert dose["value"] == pytest.approx(np.mean(list(b.values())))  # the number is kept ...
     assert dose["verdict"] == "scale not matched (shape:activation:1.4:matched)"  # ... not read
     out = claim(c, "shape:activation:1.4:matched - none: attention entropy (nats)", "mean over layers",
