@@ -58,6 +58,7 @@ ORDER = [
     ["integrations", "integrations.trackers"],
     ["integrations.transformers", "integrations.lightning"],
     ["studies"],
+    ["commands"],
     ["cli", "__init__"],
 ]
 
