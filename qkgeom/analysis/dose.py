@@ -146,47 +146,22 @@ def causal_estimates(df: pd.DataFrame, note: str, unread: set[str] = frozenset()
         if len(per_seed) < 2:
             continue
         arms = int(per_seed["n_arms"].min())
+
+        def judged(v: np.ndarray, claim: str, cid: str, detail: str) -> dict:  # this target's seed row
+            return intervention_row(v, claim=claim, claim_id=f"{cid}:{on}", group=group, window="post-transient",
+                                    sign=+1, note=note, detail=f"{detail} {np.round(v, 4).tolist()}")  # fmt: skip
+
         if arms >= 3:
             name = {"key": DOSE_CLAIM, "activation": SHAPE_DOSE_CLAIM}.get(
                 on, f"dose-response: slope of attention entropy on log {label}"
             )
-            v = per_seed["dose"].to_numpy()
-            rows.append(
-                intervention_row(
-                    v,
-                    claim=name,
-                    claim_id=f"dose_response:{on}",
-                    group=group,
-                    window="post-transient",
-                    sign=+1,
-                    note=note,
-                    detail=f"per-seed slopes {np.round(v, 4).tolist()}; {arms} arms each",
-                )
-            )
+            rows.append(judged(per_seed["dose"].to_numpy(), name, "dose_response", "per-seed slopes"))
+            rows[-1]["detail"] += f"; {arms} arms each"
         rf, fs = per_seed["reduced"].to_numpy(), per_seed["first"].to_numpy()
-        rows.append(
-            intervention_row(
-                rf,
-                claim=f"reduced form: attention entropy per unit assigned log ratio of {TARGET[on]}",
-                claim_id=f"reduced_form:{on}",
-                group=group,
-                window="post-transient",
-                sign=+1,
-                note=note,
-                detail=f"per-seed {np.round(rf, 4).tolist()}",
-            )
-        )
-        first = intervention_row(
-            fs,
-            claim=f"first stage: log {label} per unit assigned log ratio of {TARGET[on]}",
-            claim_id=f"first_stage:{on}",
-            group=group,
-            window="post-transient",
-            sign=+1,
-            note=note,
-            detail=f"per-seed {np.round(fs, 4).tolist()}",
-        )
-        rows.append(first)
+        rows.append(judged(rf, f"reduced form: attention entropy per unit assigned log ratio of {TARGET[on]}",
+                           "reduced_form", "per-seed"))  # fmt: skip
+        rows.append(judged(fs, f"first stage: log {label} per unit assigned log ratio of {TARGET[on]}",
+                           "first_stage", "per-seed"))  # fmt: skip
         rows.append(
             fieller_row(
                 rf, fs, +1, note,
