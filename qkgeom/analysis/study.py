@@ -58,6 +58,7 @@ class Analysis:
     blind: str = ""  # an incomplete study's outcomes hidden: "k of n seeds recorded; primary outcome hidden"
     shown: Shown | None = None  # context, spectral tables, a single run's table (analysis.shown)
     verdict_table: pd.DataFrame | None = None  # verdicts(claims): what verdicts.csv holds
+    judged: pd.DataFrame | None = None  # verdict_rows(claims): the claims rows behind it, with their per_seed
     headline: pd.DataFrame | None = None  # an intervention study's one row per arm (causal.headline)
 
     @property
@@ -114,7 +115,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
         slope_depth=A.slope_by_depth(per_run) if len(per_run) else None, dose_points=points, dose_slopes=fits,
         dose_summary=dose.dose_summary(fits) if fits is not None and len(fits) else None,
         matched_dose=tables.get("matched_dose"), blind=blind, shown=extra_tables,
-        verdict_table=tables["verdicts"], headline=causal.headline(claims),
+        verdict_table=tables["verdicts"], judged=verdict_rows(claims), headline=causal.headline(claims),
     )  # fmt: skip
 
 
@@ -196,23 +197,28 @@ def fmt(v: float) -> str:
     return "" if pd.isna(v) else f"{v:.3g}"
 
 
+def verdict_rows(claims: pd.DataFrame) -> pd.DataFrame:
+    """The claims rows a verdict table shows, in its order: a family study's primaries first, then the
+    judged rows of the pooled groups, the relative-depth bands (slopes only) and the causal estimates
+    in the verdict windows, then causal v4's per-layer rows against the sham."""
+    sel = claims[
+        (claims["verdict"] != "") & claims["group"].isin(VERDICT_GROUPS) & claims["window"].isin(VERDICT_WINDOWS)
+    ]
+    # by depth band, the slopes only (the other claims per band stay in the full claims table)
+    sel = sel[~sel["group"].isin(list(A.LAYER_BANDS)) | sel["claim_id"].str.startswith("slope:")]
+    # causal v4's per-layer rows against the sham (analysis.matched)
+    per_layer = claims[(claims["verdict"] != "") & claims["claim_id"].str.contains("-sham.", regex=False)]
+    sel = pd.concat([sel, per_layer[~per_layer.index.isin(sel.index)]])
+    keys = zip(claims["claim_id"], claims["group"], claims["window"], strict=True)
+    is_family = pd.Series([k in FAMILY_HEADLINE for k in keys], index=claims.index) & (claims["verdict"] != "")
+    return pd.concat([claims[is_family], sel])  # a family study's primary claims (families/study.py) lead
+
+
 def verdicts(claims: pd.DataFrame, select: bool = True) -> pd.DataFrame:
     """One line per judged claim: predicted direction, measured effect [95% interval], n, seeds
     agreeing, mde_80 and what an inconclusive verdict rules out, window and verdict. Groups: pooled
-    (`all` / `mean over layers`), the relative-depth bands and the causal estimates."""
-    sel = claims
-    if select:
-        sel = claims[
-            (claims["verdict"] != "") & claims["group"].isin(VERDICT_GROUPS) & claims["window"].isin(VERDICT_WINDOWS)
-        ]
-        # by depth band, the slopes only (the other claims per band stay in the full claims table)
-        sel = sel[~sel["group"].isin(list(A.LAYER_BANDS)) | sel["claim_id"].str.startswith("slope:")]
-        # causal v4's per-layer rows against the sham (analysis.matched)
-        per_layer = claims[(claims["verdict"] != "") & claims["claim_id"].str.contains("-sham.", regex=False)]
-        sel = pd.concat([sel, per_layer[~per_layer.index.isin(sel.index)]])
-        keys = zip(claims["claim_id"], claims["group"], claims["window"], strict=True)
-        is_family = pd.Series([k in FAMILY_HEADLINE for k in keys], index=claims.index) & (claims["verdict"] != "")
-        sel = pd.concat([claims[is_family], sel])  # a family study's primary claims (families/study.py) lead
+    (`all` / `mean over layers`), the relative-depth bands and the causal estimates (verdict_rows)."""
+    sel = verdict_rows(claims) if select else claims
     mde = pd.to_numeric(sel.get("mde_80", pd.Series(np.nan, index=sel.index)), errors="coerce")
     interval = [
         "" if pd.isna(lo) else f" [{fmt(lo)}, {fmt(hi)}]"

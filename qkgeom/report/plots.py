@@ -384,3 +384,30 @@ def matched_dose(table: pd.DataFrame) -> Figure:
     axes[0][-1].legend(fontsize=7)
     fig.suptitle("Matched logit scale: entropy against delivered key-spectrum dose", fontsize=10)
     return fig
+
+
+def verdict_seeds(rows: pd.DataFrame, colours: dict[str, str]) -> Figure:
+    """Every verdict row's per-seed values (dots) with the mean and 95% interval the analysis wrote (bar),
+    one line a row. Rows have their own units, so each line is scaled by its largest |per-seed value|:
+    what the eye reads is the sign, the spread and a lone seed far from the rest (a skewed row, whose
+    t-interval covers less than its 95%: docs/GLOSSARY.md, "Coverage, measured"). rows: label, values
+    (an array a row), value, ci_low, ci_high, verdict; colours: verdict -> the band behind its line."""
+    fig, ax = subplots(figsize=(10, 1.2 + 0.3 * len(rows)))
+    rng = np.random.default_rng(0)  # the dots' vertical jitter only
+    reach = 1.15
+    for i, r in enumerate(rows.itertuples(index=False)):
+        scale = float(np.max(np.abs(r.values))) or 1.0
+        reach = max([reach, *(abs(b) / scale for b in (r.ci_low, r.ci_high) if np.isfinite(b))])
+        ax.axhspan(i - 0.45, i + 0.45, color=colours.get(r.verdict, "#f4f4f4"), lw=0)
+        ax.scatter(r.values / scale, i + rng.uniform(-0.18, 0.18, len(r.values)), s=10, color="0.25", zorder=3)
+        if np.isfinite(r.ci_low) and np.isfinite(r.ci_high):
+            ax.plot([r.ci_low / scale, r.ci_high / scale], [i, i], color="tab:blue", lw=2.2, zorder=2)
+        ax.plot([r.value / scale], [i], "|", color="tab:blue", ms=12, mew=2.2, zorder=4)
+    ax.axvline(0, color="0.4", lw=0.8)
+    ax.set_yticks(range(len(rows)), [textwrap.shorten(str(s), 90) for s in rows["label"]], fontsize=7)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(-min(reach, 3.0) * 1.05, min(reach, 3.0) * 1.05)  # an interval past 3x runs off the edge
+    ax.set_xlabel("per seed, scaled by the row's largest |value| (dots); mean and 95% interval (blue); 0 = no effect")
+    ax.set_ylabel("verdict row (claim_id · group · window)")
+    ax.set_title("Per-seed values behind each verdict (band: the verdict's colour)", fontsize=10)
+    return fig

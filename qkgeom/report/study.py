@@ -17,7 +17,7 @@ import numpy as np
 import pandas as pd
 
 from qkgeom.analysis.context import context_sentence
-from qkgeom.analysis.rows import PARAMETRIC_ONLY
+from qkgeom.analysis.rows import PARAMETRIC_ONLY, per_seed_values
 from qkgeom.analysis.shown import run_folder
 from qkgeom.analysis.study import CAUSAL_GROUPS, LADDER_FACTS, LADDER_TABLE, Analysis
 from qkgeom.metrics import metric_label
@@ -77,9 +77,32 @@ def _spectra_by_init(a: Analysis) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
-    """name -> (caption, PNG bytes): the arms' figures, the none runs', then the spectral ones."""
-    figs = _intervention_figures(a) | _baseline_figures(a) | _spectral_figures(a)
+    """name -> (caption, PNG bytes): the verdicts' seeds, the arms' figures, the none runs', then the
+    spectral ones."""
+    figs = _verdict_figure(a) | _intervention_figures(a) | _baseline_figures(a) | _spectral_figures(a)
     return {k: (cap, png_bytes(fig)) for k, (cap, fig) in figs.items()}
+
+
+def _verdict_figure(a: Analysis) -> dict[str, tuple[str, object]]:
+    """The per-seed values behind each row of the verdict table (rows without two or more per-seed values,
+    such as a Fieller ratio or a single run's, are left out)."""
+    if a.judged is None or "per_seed" not in a.judged:
+        return {}
+    rows = a.judged.assign(
+        label=a.judged["claim_id"].astype(str) + " · " + a.judged["group"] + " · " + a.judged["window"],
+        values=a.judged["per_seed"].map(per_seed_values),
+    )
+    rows = rows[rows["values"].map(len) > 1]  # one seed (a single run's report): no spread to draw
+    if rows.empty:
+        return {}
+    return {
+        "verdict_seeds": (
+            "The verdict table's rows, each from its per-seed values: dots (one a seed), their mean and 95% "
+            "interval (blue), each row scaled by its largest |per-seed value|. A lone seed far from the rest "
+            "makes a skewed row, whose interval covers less than 95% (docs/GLOSSARY.md, Coverage, measured).",
+            plots.verdict_seeds(rows, VERDICT_COLOURS),
+        )
+    }
 
 
 def _intervention_figures(a: Analysis) -> dict[str, tuple[str, object]]:

@@ -136,6 +136,34 @@ def test_report_sets_weight_rank_beside_realised_rank_and_the_spectral_lifecycle
     assert (out / "report" / "spectral_lifecycle.png").stat().st_size > 10_000
 
 
+def test_the_verdict_figure_draws_each_verdict_rows_seeds(study):
+    """verdict_seeds.png draws, for each row of the verdict table, the per-seed values claims.csv holds for
+    it, scaled by the row's largest |value|, with its mean and 95% interval on the same scale."""
+    import numpy as np
+
+    from qkgeom.analysis.rows import per_seed_values
+    from qkgeom.analysis.study import analyze
+    from qkgeom.report import plots
+    from qkgeom.report import study as RS
+
+    out, _ = study
+    a = analyze(out)
+    keys = ["claim", "group", "window"]
+    assert a.judged[keys].values.tolist() == a.verdict_table[keys].values.tolist()  # the same rows, in order
+    assert "verdict_seeds" in RS.figures(a) and (out / "report" / "verdict_seeds.png").is_file()
+    rows = pd.DataFrame({"label": ["a", "b"], "values": [np.array([1.0, -2.0, 4.0]), np.array([0.5, 0.25])],
+                         "value": [1.0, 0.375], "ci_low": [-3.0, 0.1], "ci_high": [5.0, 0.6],
+                         "verdict": ["inconclusive", "holds"]})  # fmt: skip
+    fig = plots.verdict_seeds(rows, RS.VERDICT_COLOURS)
+    ax = fig.axes[0]
+    assert sorted(ax.collections[0].get_offsets()[:, 0]) == [-0.5, 0.25, 1.0]  # / 4, the row's largest |value|
+    assert sorted(ax.collections[1].get_offsets()[:, 0]) == [0.5, 1.0]  # / 0.5
+    lines = [ln.get_xdata() for ln in ax.lines if len(ln.get_xdata()) == 2]
+    assert [list(x) for x in lines[:2]] == [[-0.75, 1.25], [0.2, 1.2]]  # the intervals, on each row's scale
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["a", "b"]
+    assert per_seed_values(a.judged["per_seed"].iloc[0]).size == a.judged["n"].iloc[0]
+
+
 def test_every_report_figure_reads_at_a_glance(study, monkeypatch):
     """The window-sensitivity figure was 17 stacked panels with x tick labels under the last only, no
     y-axis label and empty panels, and two figures' titles overlapped their first panel's. Every figure
