@@ -229,9 +229,9 @@ def median_ci(values: np.ndarray, level: float = 0.95) -> tuple[float, float, fl
 
 def spearman_ci(x: np.ndarray, y: np.ndarray, level: float = 0.95) -> tuple[float, float, float, int]:
     """(rho, low, high, n): Spearman's rho with the Fisher-z interval of Bonett and Wright (2000), standard
-    error sqrt((1 + rho^2 / 2) / (n - 3)). Fieller, Hartley and Pearson's sqrt(1.06 / (n - 3)) covers 92-94%
-    at |rho| >= 0.8 on bivariate normal data (n 12 to 144); this one >= 95% there and at 0
-    (bench/interval_coverage.py). NaNs below n = 4."""
+    error sqrt((1 + rho^2 / 2) / (n - 3)). On bivariate normal data (n 12 to 144, 20,000 draws) Fieller,
+    Hartley and Pearson's sqrt(1.06 / (n - 3)) covered 0.92-0.94 at rho 0.8 and 0.9; this one 0.950-0.963
+    at rho 0, 0.5, 0.8 and 0.9 (bench/interval_coverage.py keeps checking it). NaNs below n = 4."""
     rho, _, n = spearman(x, y)
     if not math.isfinite(rho) or n < 4:
         return rho, math.nan, math.nan, n
