@@ -170,6 +170,9 @@ def verdicts_index(root: str | Path) -> str:
         "layers, whether any two layers' 95% intervals lie on opposite sides of 0 (then the pooled row is",
         "their net); its per-layer rows, with Holm over the claim's layers, are listed below the table.",
         "claim: the row's wording, then its claim_id (`...`), by which the pre-registration names it.",
+        "Coverage: a 95% t-interval over skewed per-seed values covers less (0.91-0.93 at skewness 1.4, and",
+        "the sign-flip test assumes symmetry); bench/interval_coverage.py measures each interval and reads",
+        "every row below under the shape of its own per-seed values (docs/results/coverage/rows.csv).",
         "",
         "| study | id | claim | group | window | measured [95% CI] | n | verdict | p | p (sign-flip) | floor "
         "| Holm input | p (Holm, study) | survives Holm (study) | p (Holm, all studies; descriptive) | records "
