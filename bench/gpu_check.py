@@ -195,7 +195,8 @@ def concurrent_runs(dev: str, quick: bool, counts: list[int]) -> list[tuple[str,
     local pool (each worker cores // K threads; K = 1 runs in this process, K > 1 each in a spawned one),
     for each K: tokens/s in all from each run's own clock after its start-up (done.json's
     segment_seconds), and over the wall time with start-ups."""
-    from qkgeom.training.sweep import RunSpec, execute
+    from qkgeom.training.grid import RunSpec
+    from qkgeom.training.sweep import execute
 
     steps = 20 if quick else 200
     over = [f"train.device='{dev}'", "data.source='wikitext-2'", f"train.steps={steps}", f"probe.every={steps}",

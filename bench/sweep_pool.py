@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import require_wikitext  # noqa: E402
 
 from qkgeom import config as C  # noqa: E402
-from qkgeom.training.sweep import SweepSpec, execute, expand, load_sweep  # noqa: E402
+from qkgeom.training.grid import SweepSpec, expand, load_sweep  # noqa: E402
+from qkgeom.training.sweep import execute
 
 
 def main() -> None:

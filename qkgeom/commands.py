@@ -147,7 +147,7 @@ def cmd_study(args: argparse.Namespace) -> int:
         return 0
     records = records_dir(spec)
     if records is not None:  # an accumulating study: it is analysed from all its committed records
-        from qkgeom.training.sweep import expand, write_manifest
+        from qkgeom.training.grid import expand, write_manifest
 
         write_manifest(spec, expand(spec), records)
         out = records

@@ -67,7 +67,8 @@ def sweep_study(args: argparse.Namespace) -> tuple:
     records settles them first, skips the recorded runs and records each run as it finishes."""
     from qkgeom.analysis import ladder, robustness
     from qkgeom.results import RunDir
-    from qkgeom.training.sweep import SweepError, check_pool, expand, load_sweep, run_sweep
+    from qkgeom.training.grid import SweepError, expand, load_sweep
+    from qkgeom.training.sweep import check_pool, run_sweep
 
     check_pool(args.workers, args.gpus_per_run)
     spec = load_sweep(args.sweep, args.overrides)
@@ -107,7 +108,7 @@ def sweep_study(args: argparse.Namespace) -> tuple:
 
 def asks_portable(args: argparse.Namespace) -> bool:
     """Whether the runs of a train, sweep or study command ask for train.portable (--portable or their config)."""
-    from qkgeom.training.sweep import expand, load_sweep
+    from qkgeom.training.grid import expand, load_sweep
 
     if args.command == "train":
         return C.load(args.config, args.overrides).train.portable
@@ -135,7 +136,7 @@ def settle_records(spec, out: Path, records: Path) -> None:
     the pre-registration, and a record written for every run that finished without one."""
     from qkgeom.analysis.prereg import check_records
     from qkgeom.analysis.records import clean_temp, record_missing, restore_baselines
-    from qkgeom.training.sweep import expand, write_manifest
+    from qkgeom.training.grid import expand, write_manifest
 
     runs = expand(spec)
     check_records(records, spec.analysis)  # every check first: a refused sitting changes nothing

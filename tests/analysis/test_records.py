@@ -343,7 +343,7 @@ def test_a_pinned_study_amended_to_take_records_accepts_its_own_manifest(tmp_pat
     says what the table is, not where it was read; a manifest with another table is still refused."""
     from qkgeom import config as C
     from qkgeom.analysis.prereg import RecordError, check_records
-    from qkgeom.training.sweep import expand, load_sweep, write_manifest
+    from qkgeom.training.grid import expand, load_sweep, write_manifest
 
     study = tmp_path / "study-causal-cpu"
     shutil.copytree(RESULTS / "study-causal-cpu", study)

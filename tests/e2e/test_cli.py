@@ -8,7 +8,7 @@ import pytest
 
 from qkgeom import config as C
 from qkgeom.analysis.claims import arm_label
-from qkgeom.training import sweep as S
+from qkgeom.training import grid as G
 from tests.conftest import REPO
 
 
@@ -22,7 +22,7 @@ def test_study_help_agrees_with_every_study_file():
     text = qk("study", "--help").stdout
     for f in sorted(C.CONFIG_DIR.glob("study-*.toml")):
         name = f.stem.removeprefix("study-")
-        runs = S.expand(S.load_sweep(name))  # the runs the study really has
+        runs = G.expand(G.load_sweep(name))  # the runs the study really has
         line = next(x for x in text.splitlines() if x.strip().startswith(name + " "))
         assert f"{len(runs)} runs on the " in line, line
         arms = {arm_label(C.to_dict(r.config)["intervention"]) for r in runs}

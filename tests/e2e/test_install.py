@@ -23,7 +23,7 @@ import json
 import qkgeom
 from qkgeom import config as C
 from qkgeom.studies import records_dir
-from qkgeom.training.sweep import expand, load_sweep
+from qkgeom.training.grid import expand, load_sweep
 print(json.dumps({
     "package": qkgeom.__file__, "in_checkout": C.IN_CHECKOUT, "config_dir": str(C.CONFIG_DIR),
     "smoke_runs": len(expand(load_sweep("smoke"))),

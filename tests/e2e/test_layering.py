@@ -27,7 +27,7 @@ ORDER = [
     ["probing.hf", "probing.scalars"],
     ["probing.tracking"],
     # training: our GPT, steered
-    ["training", "training.model", "training.data", "training.maps"],
+    ["training", "training.model", "training.data", "training.maps", "training.grid"],
     ["training.precision"],
     ["training.interventions"],
     ["training.complement"],

@@ -81,7 +81,7 @@ def test_every_command_line_in_the_readme_parses():
     import shlex
 
     from qkgeom.cli import build_parser
-    from qkgeom.training.sweep import resolve_sweep
+    from qkgeom.training.grid import resolve_sweep
 
     parser, parsed = build_parser(), 0
     for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S):

@@ -74,7 +74,8 @@ def test_a_family_study_end_to_end(tmp_path, capsys):
     """Three tiny runs keeping log-spaced checkpoints: exported, analysed as families, judged across
     seeds in claims.csv, shown in the study report."""
     from qkgeom.cli import main
-    from qkgeom.training.sweep import load_sweep, run_sweep
+    from qkgeom.training.grid import load_sweep
+    from qkgeom.training.sweep import run_sweep
 
     sweep = tmp_path / "fam.toml"
     sweep.write_text(
@@ -140,7 +141,8 @@ def test_a_family_study_keeps_its_families_in_its_records(tmp_path):
     import shutil
 
     from qkgeom.analysis.prereg import RecordError, check_records
-    from qkgeom.training.sweep import load_sweep, run_sweep
+    from qkgeom.training.grid import load_sweep
+    from qkgeom.training.sweep import run_sweep
 
     sweep = tmp_path / "fam.toml"
     sweep.write_text(

@@ -6,6 +6,7 @@ import pytest
 
 from qkgeom.families.config import load_pretrained
 from qkgeom.results import RunDir
+from qkgeom.training import grid as G
 from qkgeom.training import sweep as S
 from tests.training.test_sweep import write_sweep
 
@@ -21,7 +22,7 @@ def local_ray():
 
 
 def test_ray_executor_matches_local_pool(tmp_path, local_ray):
-    spec = S.load_sweep(write_sweep(tmp_path, '"train.lr" = [3e-3, 1e6]\n"train.seed" = [0, 1]'))
+    spec = G.load_sweep(write_sweep(tmp_path, '"train.lr" = [3e-3, 1e6]\n"train.seed" = [0, 1]'))
     via_ray = S.run_sweep(spec, tmp_path / "ray", progress=False, executor="ray", workers=2)
     assert len(via_ray.done) == 2 and len(via_ray.failed) == 2
     assert all("diverged" in e for e in via_ray.failed.values())
@@ -67,7 +68,7 @@ def test_ray_workers_run_portable_under_the_drivers_settings(tmp_path, local_ray
 
     for k, v in PORTABLE_ENV.items():
         monkeypatch.setenv(k, v)  # as `qkgeom sweep --portable` runs: the driver under them
-    spec = S.load_sweep(write_sweep(tmp_path, '"train.seed" = [0, 1]', '"train.steps" = 4\n"train.portable" = true'))
+    spec = G.load_sweep(write_sweep(tmp_path, '"train.seed" = [0, 1]', '"train.steps" = 4\n"train.portable" = true'))
     res = S.run_sweep(spec, tmp_path / "ray", progress=False, executor="ray", workers=2)
     assert not res.failed and len(res.done) == 2
     for rid in res.done:

@@ -15,7 +15,8 @@ import torch
 from qkgeom import config as C
 from qkgeom import device as D
 from qkgeom.executor import Job, run_jobs
-from qkgeom.training.sweep import RunSpec, default_workers, gpu_slots
+from qkgeom.training.grid import RunSpec
+from qkgeom.training.sweep import default_workers, gpu_slots
 
 
 def seen(i: int) -> tuple[int, str | None]:

@@ -7,6 +7,7 @@ import pytest
 
 from qkgeom import config as C
 from qkgeom.results import RunDir
+from qkgeom.training import grid as G
 from qkgeom.training import sweep as S
 from qkgeom.training.loop import train
 
@@ -18,19 +19,19 @@ def write_sweep(tmp_path, grid: str, fixed: str = '"train.steps" = 8', name="t")
 
 
 def test_expand_grid_and_zipped_keys(tmp_path):
-    spec = S.load_sweep(
+    spec = G.load_sweep(
         write_sweep(tmp_path, '"model.n_layers" = [1, 2, 3]\n"train.seed,train.data_seed" = [[0, 0], [1, 5]]')
     )
-    runs = S.expand(spec)
+    runs = G.expand(spec)
     assert len(runs) == 6 and len({r.run_id for r in runs}) == 6
-    assert [r.run_id for r in runs] == [r.run_id for r in S.expand(spec)]  # deterministic
+    assert [r.run_id for r in runs] == [r.run_id for r in G.expand(spec)]  # deterministic
     last = runs[-1].config
     assert (last.model.n_layers, last.train.seed, last.train.data_seed, last.train.steps) == (3, 1, 5, 8)
 
 
 def test_study_presets_expand_to_the_paper_grids():
-    assert len(S.expand(S.load_sweep("smoke"))) == 36
-    runs = S.expand(S.load_sweep("intervention-smoke"))
+    assert len(G.expand(G.load_sweep("smoke"))) == 36
+    runs = G.expand(G.load_sweep("intervention-smoke"))
     assert len(runs) == 35 and {r.config.intervention.kind for r in runs} == {"none", "hold", "contract", "expand"}
     assert {r.config.model.n_layers for r in runs} == {4}
     # every contract/expand arm points at the none run of its own seed
@@ -52,8 +53,8 @@ def test_study_presets_expand_to_the_paper_grids():
     ],
 )
 def test_bad_grids(tmp_path, grid, message):
-    with pytest.raises(S.SweepError, match=message):
-        S.expand(S.load_sweep(write_sweep(tmp_path, grid)))
+    with pytest.raises(G.SweepError, match=message):
+        G.expand(G.load_sweep(write_sweep(tmp_path, grid)))
 
 
 @pytest.mark.parametrize(
@@ -72,15 +73,15 @@ def test_bad_sweep_tables_are_refused_when_read(tmp_path, tables, message):
     whole sweep had run; a [set] key the grid also sets was silently overridden."""
     f = tmp_path / "s.toml"
     f.write_text(f'[sweep]\nname = "s"\nbase = "tiny"\n{tables}\n')
-    with pytest.raises(S.SweepError, match=message):
-        S.load_sweep(f)
+    with pytest.raises(G.SweepError, match=message):
+        G.load_sweep(f)
 
 
 def test_every_study_preset_passes_the_checks_and_a_misspelt_variant_is_refused(tmp_path, capsys):
     from qkgeom.cli import main
 
     for f in sorted(C.CONFIG_DIR.glob("study-*.toml")):
-        S.expand(S.load_sweep(f))
+        G.expand(G.load_sweep(f))
     f = tmp_path / "s.toml"
     f.write_text('[sweep]\nname = "s"\nbase = "tiny"\n[grid]\n"train.seed" = [1]\n[analysis]\n'
                  'robustness = ["leave one sed out"]\n')  # fmt: skip
@@ -90,13 +91,13 @@ def test_every_study_preset_passes_the_checks_and_a_misspelt_variant_is_refused(
 
 
 def test_unknown_sweep_preset():
-    with pytest.raises(S.SweepError, match="neither a file nor a study preset"):
-        S.load_sweep("nope")
+    with pytest.raises(G.SweepError, match="neither a file nor a study preset"):
+        G.load_sweep("nope")
 
 
 @pytest.mark.usefixtures("wikitext")
 def test_pool_isolates_failures_skips_finished_and_matches_train(tmp_path, capsys):
-    spec = S.load_sweep(write_sweep(tmp_path, '"train.lr" = [3e-3, 1e6]\n"train.seed" = [0, 1]'))
+    spec = G.load_sweep(write_sweep(tmp_path, '"train.lr" = [3e-3, 1e6]\n"train.seed" = [0, 1]'))
     out = tmp_path / "runs"
     res = S.run_sweep(spec, out, workers=2, progress=True)  # stderr is not a terminal here
     assert len(res.done) == 2 and len(res.failed) == 2 and not res.skipped
@@ -114,7 +115,7 @@ def test_pool_isolates_failures_skips_finished_and_matches_train(tmp_path, capsy
     assert sorted(again.skipped) == sorted(res.done) and len(again.failed) == 2
     assert stamps == {rid: (out / rid / "done.json").stat().st_mtime_ns for rid in res.done}
     # a run from the pool equals the same config trained directly (same thread count)
-    r = next(r for r in S.expand(spec) if r.run_id in res.done)
+    r = next(r for r in G.expand(spec) if r.run_id in res.done)
     import torch
 
     before = torch.get_num_threads()
@@ -129,7 +130,8 @@ def test_pool_isolates_failures_skips_finished_and_matches_train(tmp_path, capsy
 
 def test_seed_order_runs_whole_seeds_baselines_first(tmp_path):
     """order = "seed": groups of `workers` seeds, each group's none runs before its relative arms."""
-    from qkgeom.training.sweep import _chunks, expand, load_sweep
+    from qkgeom.training.grid import expand, load_sweep
+    from qkgeom.training.sweep import _chunks
 
     path = tmp_path / "s.toml"
     path.write_text(
