@@ -147,16 +147,16 @@ def causal_estimates(df: pd.DataFrame, note: str, unread: set[str] = frozenset()
             continue
         arms = int(per_seed["n_arms"].min())
 
-        def judged(v: np.ndarray, claim: str, cid: str, detail: str) -> dict:  # this target's seed row
+        def judged(v: np.ndarray, claim: str, cid: str, detail: str, then: str = "") -> dict:  # a seed row
             return intervention_row(v, claim=claim, claim_id=f"{cid}:{on}", group=group, window="post-transient",
-                                    sign=+1, note=note, detail=f"{detail} {np.round(v, 4).tolist()}")  # fmt: skip
+                                    sign=+1, note=note, detail=f"{detail} {np.round(v, 4).tolist()}{then}")  # fmt: skip
 
         if arms >= 3:
             name = {"key": DOSE_CLAIM, "activation": SHAPE_DOSE_CLAIM}.get(
                 on, f"dose-response: slope of attention entropy on log {label}"
             )
-            rows.append(judged(per_seed["dose"].to_numpy(), name, "dose_response", "per-seed slopes"))
-            rows[-1]["detail"] += f"; {arms} arms each"
+            rows.append(judged(per_seed["dose"].to_numpy(), name, "dose_response", "per-seed slopes",
+                               f"; {arms} arms each"))  # fmt: skip
         rf, fs = per_seed["reduced"].to_numpy(), per_seed["first"].to_numpy()
         rows.append(judged(rf, f"reduced form: attention entropy per unit assigned log ratio of {TARGET[on]}",
                            "reduced_form", "per-seed"))  # fmt: skip

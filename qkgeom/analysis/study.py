@@ -88,7 +88,8 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     claims = A.apply_margin(claims, float(pre.get("margin", np.nan)))  # the pre-registered TOST margin, if any
     claims, blind = _blind_until_complete(path, geometry, claims, tables)
     claims = A.numeric_columns(P.adjust_primary(claims, pre.get("primary", []), strict=not blind))
-    tables["verdicts"] = verdicts(claims)
+    judged = verdict_rows(claims)
+    tables["verdicts"] = verdicts(judged, select=False)
     if (families := R.registered(pre, R.MAIN_VARIANTS)) and not blind and extra is None:  # analysis.robustness
         tables[R.TABLE] = _variants(path, geometry, metrics, claims, float(pre.get("margin", np.nan)), families)
     if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
@@ -115,7 +116,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
         slope_depth=A.slope_by_depth(per_run) if len(per_run) else None, dose_points=points, dose_slopes=fits,
         dose_summary=dose.dose_summary(fits) if fits is not None and len(fits) else None,
         matched_dose=tables.get("matched_dose"), blind=blind, shown=extra_tables,
-        verdict_table=tables["verdicts"], judged=verdict_rows(claims), headline=causal.headline(claims),
+        verdict_table=tables["verdicts"], judged=judged, headline=causal.headline(claims),
     )  # fmt: skip
 
 
