@@ -118,7 +118,7 @@ def fingerprint(file: Path, key: str, value: str, write: bool) -> None:
     """Compare the portable run's digest with the one `file` keeps under `key`; with `write`, keep it."""
     kept = json.loads(file.read_text()) if file.exists() else {}
     if write:
-        from qkgeom.results import provenance
+        from qkgeom.provenance import provenance
 
         p = provenance()  # the commit too: a later one may change the numbers on purpose; check at this one
         kept[key] = {"sha256": value, "torch": p["torch"], "libc": " ".join(platform.libc_ver()), "cpu": p["cpu"],

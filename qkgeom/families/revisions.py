@@ -42,12 +42,12 @@ from qkgeom.device import check_device
 from qkgeom.errors import read_text
 from qkgeom.families.config import PretrainedConfig
 from qkgeom.probing import archs
+from qkgeom.provenance import provenance
 from qkgeom.results import (
     EXPORT_INFO,
     EXPORT_VOCAB,
     DamagedRunError,
     RunDir,
-    provenance,
     read_json,
     write_json,
 )

@@ -35,7 +35,8 @@ from qkgeom.errors import QKGeomError
 from qkgeom.probing import archs
 from qkgeom.probing.probe import nonfinite_weights
 from qkgeom.probing.scalars import TensorBoardLog, layer_means
-from qkgeom.results import RunDir, folder_lock, provenance, read_json, write_json
+from qkgeom.provenance import provenance
+from qkgeom.results import RunDir, folder_lock, read_json, write_json
 
 
 class ProbeError(QKGeomError, ValueError):

@@ -26,7 +26,8 @@ from qkgeom.errors import QKGeomError
 from qkgeom.probing.geometry import NumericalWarning
 from qkgeom.probing.probe import gpt_weights, probe_gpt
 from qkgeom.probing.scalars import TensorBoardLog
-from qkgeom.results import LAST_CHECKPOINT, RunDir, folder_lock, kept_checkpoint, provenance, read_json, write_json
+from qkgeom.provenance import provenance
+from qkgeom.results import LAST_CHECKPOINT, RunDir, folder_lock, kept_checkpoint, read_json, write_json
 from qkgeom.training import complement as K
 from qkgeom.training import interventions as I
 from qkgeom.training.data import Vocab, batch_offsets, fixed_offsets, gather, load_corpus, unigram_baseline

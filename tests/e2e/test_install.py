@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from qkgeom import config as C
-from qkgeom.results import git_state
+from qkgeom.provenance import git_state
 from tests.conftest import REPO, unavailable
 
 SCRIPT = """

@@ -1,6 +1,6 @@
 """The package's import graph: wings in one direction, and an order inside each wing.
 
-qkgeom is a ground floor (errors, config, results, executor) and five wings above it, each a
+qkgeom is a ground floor (errors, config, results, provenance, executor) and five wings above it, each a
 sub-package: probing -> training -> analysis -> families -> report, then integrations, then the
 command line and the package's public face. A module may import only modules placed before it in
 ORDER: no circle, no arrow running back up, none into a later wing. Every qkgeom import counts, at
@@ -18,7 +18,7 @@ ORDER = [
     ["errors"],
     ["device", "solves", "arms", "settings", "metrics"],
     ["config"],
-    ["results", "executor"],
+    ["results", "provenance", "executor"],
     # probing: q, k, pattern -> rows
     ["probing", "probing.geometry", "probing.hooks", "probing.archs", "probing.inputs"],
     ["probing.alpha", "probing.rows", "probing.logits"],
