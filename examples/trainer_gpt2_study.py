@@ -4,6 +4,15 @@ measured only through `QKGeometryCallback`, then judged by `qkgeom analyze` as a
     python examples/trainer_gpt2_study.py --out runs/study-trainer-gpt2 [--seeds 4] [--steps 2000]
     qkgeom report runs/study-trainer-gpt2
 
+Its replication on 8 fresh seeds (docs/results/study-trainer-gpt2-replication/preregistration.toml),
+each finished run's record kept there (seeds split over two processes of one thread each):
+
+    python examples/trainer_gpt2_study.py --first-seed 4 --seeds 4 --threads 1 \
+        --records docs/results/study-trainer-gpt2-replication &
+    python examples/trainer_gpt2_study.py --first-seed 8 --seeds 4 --threads 1 \
+        --records docs/results/study-trainer-gpt2-replication
+    qkgeom analyze docs/results/study-trainer-gpt2-replication
+
 Model: `GPT2LMHeadModel` from a config at the cpu preset's shape (d_model 128, 4 layers, 4 heads,
 context 128; Hugging Face's own init, biases, gelu_new; dropout 0), character-level WikiText-2 as
 non-overlapping 128-character blocks of the training split. Trainer: AdamW, lr 2e-3, 50 warm-up steps,
@@ -28,8 +37,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers.utils import logging as hf_logging
 
+from qkgeom.analysis.records import write_record
 from qkgeom.config import DataConfig
 from qkgeom.integrations.transformers import QKGeometryCallback
+from qkgeom.results import RECORDS_DIR
 from qkgeom.training.data import fixed_offsets, gather, load_corpus
 
 CTX, BATCH = 128, 16
@@ -38,7 +49,9 @@ CTX, BATCH = 128, 16
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/study-trainer-gpt2")
-    p.add_argument("--seeds", type=int, default=4)
+    p.add_argument("--seeds", type=int, default=4, help="how many seeds")
+    p.add_argument("--first-seed", type=int, default=0, help="the first seed (the replication starts at 4)")
+    p.add_argument("--records", type=Path, help="a study folder: each finished run's record goes to its runs/")
     p.add_argument("--steps", type=int, default=2000)
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
@@ -51,10 +64,14 @@ def main() -> None:
     probe_batch = torch.from_numpy(gather(corpus.splits["valid"], fixed_offsets(len(valid), CTX, 10), CTX)[0]).long()
     train_set = [{"input_ids": b, "labels": b} for b in blocks]
     eval_set = [{"input_ids": b, "labels": b} for b in valid_blocks]
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         out = Path(args.out) / f"seed{seed}"
+        if args.records is not None and (args.records / RECORDS_DIR / out.name / "done.json").is_file():
+            print(f"{out.name}: recorded in {args.records}, skipped")
+            continue
         if (out / "done.json").is_file():
             print(f"{out}: done, skipped")
+            record(out, args.records)
             continue
         torch.manual_seed(seed)
         config = GPT2Config(
@@ -72,6 +89,13 @@ def main() -> None:
                           callbacks=[callback])  # fmt: skip
         trainer.train()
         print(f"{out}: done")
+        record(out, args.records)
+
+
+def record(run: Path, study: Path | None) -> None:
+    """The finished run's record under `study`/runs/, stamped with the study's pre-registration."""
+    if study is not None:
+        print(f"{run.name}: recorded as {write_record(run, study / RECORDS_DIR)}")
 
 
 if __name__ == "__main__":
