@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import qkgeom
+from qkgeom.analysis.prereg import PREREGISTRATION, check_records, digest
 from tests.conftest import REPO
 
 
@@ -26,3 +27,19 @@ def test_the_trainer_study_runs_resumes_and_is_read_as_runs(wikitext, tmp_path):
     assert done["step"] == 20 and done["final_valid_loss"] is not None
     again = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert again.returncode == 0 and f"{tmp_path / 'seed0'}: done, skipped" in again.stdout
+    # --records: the finished seed's record goes to the study's runs/, stamped with its pre-registration
+    # and sealed (a replication keeps its records there); once recorded, the seed is skipped outright
+    study = tmp_path / "study"
+    study.mkdir()
+    (study / PREREGISTRATION).write_text(
+        (REPO / "docs/results/study-trainer-gpt2-replication" / PREREGISTRATION).read_text()
+    )
+    recorded = subprocess.run(
+        [*cmd, "--records", str(study)], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert recorded.returncode == 0 and f"seed0: recorded as {study / 'runs' / 'seed0'}" in recorded.stdout
+    check_records(study)  # seal and stamp read back: a record the study's analysis accepts
+    stamp = json.loads((study / "runs" / "seed0" / "config.json").read_text())["record"]["preregistration"]
+    assert stamp == digest(study)
+    skipped = subprocess.run([*cmd, "--records", str(study)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert skipped.returncode == 0 and f"seed0: recorded in {study}, skipped" in skipped.stdout
