@@ -28,6 +28,10 @@ REDERIVED = {
         ["V1", "V2", "V3", "V4"],
     ),
     "study-trainer-gpt2": (("claims.csv", "verdicts.csv", "per_layer.csv", "robustness.csv"), ["T1", "T2", "T3", "T4"]),
+    "study-trainer-gpt2-replication": (
+        ("claims.csv", "verdicts.csv", "per_layer.csv", "robustness.csv"),
+        ["R1", "R2", "R3", "R4"],
+    ),
     "study-causal-cpu": (("claims.csv", "verdicts.csv", "per_layer.csv", "robustness.csv"), ["O1", "O2"]),
     "study-family-cpu": (
         ("claims.csv", "verdicts.csv", "family_claims.csv", "family_seeds.csv", "per_layer.csv", "robustness.csv"),
