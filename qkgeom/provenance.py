@@ -1,7 +1,7 @@
 """Where and with what a result was made: the commit (and whether the tree was dirty), the versions of
 qkgeom, torch, numpy and Python, the CPU with the features its float kernels are chosen by, the settings
-that choose those kernels, and the GPU. Every run's config.json and every measured revision's records
-provenance(); a study report's provenance table reads it back."""
+that choose those kernels, and the GPU. provenance() goes into every run's config.json and every
+measured revision's; a study report's provenance table reads it back."""
 
 from __future__ import annotations
 
