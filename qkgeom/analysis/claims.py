@@ -172,16 +172,20 @@ def per_run_statistics(w: pd.DataFrame) -> pd.DataFrame:
     layer_rows = w[w["head"] == -1].pivot_table(
         index=["run_id", "seed", "qk_init", "n_layers", "layer", "step", "progress"], columns="metric", values="value"
     )
-    out = []
-    for key, g in layer_rows.groupby(level=["run_id", "seed", "qk_init", "n_layers", "layer"]):
+    keys = ["run_id", "seed", "qk_init", "n_layers", "layer"]
+    column = {m: i for i, m in enumerate(layer_rows.columns)}  # each group read as one array: pandas indexing
+    out = []  # per group and metric cost more than the statistics themselves
+    for key, g in layer_rows.groupby(level=keys):
         prog = g.index.get_level_values("progress").to_numpy()
-        row = dict(zip(["run_id", "seed", "qk_init", "n_layers", "layer"], key, strict=True))
+        values = g.to_numpy()
+        series = {m: values[:, i] for m, i in column.items()}
+        row = dict(zip(keys, key, strict=True))
         for metric, _, _ in SLOPE_CLAIMS:
-            row[f"slope:{metric}"] = stats.slope(prog, g[metric]) if metric in g else np.nan
+            row[f"slope:{metric}"] = stats.slope(prog, series[metric]) if metric in series else np.nan
         for x, y, _, _ in CORRELATION_CLAIMS:
-            both = x in g and y in g
-            row[f"rho:{x}:{y}"] = stats.spearman(np.diff(g[x]), np.diff(g[y]))[0] if both else np.nan
-            row[f"raw:{x}:{y}"] = stats.spearman(g[x], g[y])[0] if both else np.nan
+            both = x in series and y in series
+            row[f"rho:{x}:{y}"] = stats.spearman(np.diff(series[x]), np.diff(series[y]))[0] if both else np.nan
+            row[f"raw:{x}:{y}"] = stats.spearman(series[x], series[y])[0] if both else np.nan
         c = g.get("participation_ratio_contrast")
         row["contrast_mean"] = float(c.mean()) if c is not None else np.nan
         out.append(row)
@@ -216,23 +220,29 @@ def comovement_per_seed(table: pd.DataFrame, x: str, y: str) -> tuple[np.ndarray
     Pearson r of a seed's own x and y minus the mean r of its x against the other seeds' y
     (stats.comovement_excess); then the mean over the seed's cells. Also the mean observed and null r.
     table: comovement_table of the window's rows."""
-    if x not in table or y not in table:
+    if x not in table or y not in table or table.empty:
         return np.array([]), np.nan, np.nan
     per_seed: dict[int, list[float]] = {}
     observed, null = [], []
-    for _, cell in table.groupby(level=["qk_init", "n_layers", "layer"]):
-        cell = cell.droplevel(["qk_init", "n_layers", "layer"])[[x, y]].dropna()
-        seeds = sorted(cell.index.get_level_values("seed").unique())
-        steps = set.intersection(*(set(cell.loc[s].index) for s in seeds)) if seeds else set()
-        if len(seeds) < 2 or len(steps) < 5:
+    wide = table[[x, y]].unstack("seed")  # (init, depth, layer, step) x (metric, seed), sorted; NaN: no probe
+    seeds = wide[x].columns.to_numpy()
+    xv, yv = wide[x].to_numpy(), wide[y].to_numpy()
+    valid = ~(np.isnan(xv) | np.isnan(yv))  # a seed's probe with both metrics
+    rows = pd.Series(np.arange(len(wide)), index=wide.index)  # each cell's rows, as positions into the arrays
+    for _, at in rows.groupby(level=["qk_init", "n_layers", "layer"]):
+        at = at.to_numpy()
+        have = valid[at]
+        present = have.any(axis=0)  # the cell's seeds
+        common = have[:, present].all(axis=1)  # the probe steps every seed of the cell has
+        if present.sum() < 2 or common.sum() < 5:
             continue
-        steps = sorted(steps)
-        xs = [cell.loc[s].loc[steps, x].to_numpy() for s in seeds]
-        ys = [cell.loc[s].loc[steps, y].to_numpy() for s in seeds]
+        xs = list(xv[at][common][:, present].T)
+        ys = list(yv[at][common][:, present].T)
+        seeds_here = seeds[present]
         res = stats.comovement_excess(xs, ys)
         observed.append(res["observed"])
         null.append(res["null"])
-        for s, e in zip(seeds, res["per_unit"], strict=True):
+        for s, e in zip(seeds_here, res["per_unit"], strict=True):
             per_seed.setdefault(int(s), []).append(float(e))
     v = np.array([stats.finite_mean(e) for _, e in sorted(per_seed.items())])
     return v, stats.finite_mean(observed), stats.finite_mean(null)
