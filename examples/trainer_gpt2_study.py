@@ -37,7 +37,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers.utils import logging as hf_logging
 
-from qkgeom.analysis.records import write_record
+from qkgeom.analysis.records import recorded_runs, write_record
 from qkgeom.config import DataConfig
 from qkgeom.integrations.transformers import QKGeometryCallback
 from qkgeom.results import RECORDS_DIR
@@ -64,9 +64,10 @@ def main() -> None:
     probe_batch = torch.from_numpy(gather(corpus.splits["valid"], fixed_offsets(len(valid), CTX, 10), CTX)[0]).long()
     train_set = [{"input_ids": b, "labels": b} for b in blocks]
     eval_set = [{"input_ids": b, "labels": b} for b in valid_blocks]
+    recorded = recorded_runs(args.records) if args.records is not None else set()
     for seed in range(args.first_seed, args.first_seed + args.seeds):
         out = Path(args.out) / f"seed{seed}"
-        if args.records is not None and (args.records / RECORDS_DIR / out.name / "done.json").is_file():
+        if out.name in recorded:
             print(f"{out.name}: recorded in {args.records}, skipped")
             continue
         if (out / "done.json").is_file():

@@ -173,12 +173,11 @@ def per_run_statistics(w: pd.DataFrame) -> pd.DataFrame:
         index=["run_id", "seed", "qk_init", "n_layers", "layer", "step", "progress"], columns="metric", values="value"
     )
     keys = ["run_id", "seed", "qk_init", "n_layers", "layer"]
-    column = {m: i for i, m in enumerate(layer_rows.columns)}  # each group read as one array: pandas indexing
-    out = []  # per group and metric cost more than the statistics themselves
+    out = []
     for key, g in layer_rows.groupby(level=keys):
         prog = g.index.get_level_values("progress").to_numpy()
-        values = g.to_numpy()
-        series = {m: values[:, i] for m, i in column.items()}
+        # each group read once as an array: a Series per metric cost more than the statistics themselves
+        series = dict(zip(layer_rows.columns, g.to_numpy().T, strict=True))
         row = dict(zip(keys, key, strict=True))
         for metric, _, _ in SLOPE_CLAIMS:
             row[f"slope:{metric}"] = stats.slope(prog, series[metric]) if metric in series else np.nan
