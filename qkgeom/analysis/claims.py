@@ -179,12 +179,14 @@ def per_run_statistics(w: pd.DataFrame) -> pd.DataFrame:
         # each group read once as an array: a Series per metric cost more than the statistics themselves
         series = dict(zip(layer_rows.columns, g.to_numpy().T, strict=True))
         row = dict(zip(keys, key, strict=True))
-        for metric, _, _ in SLOPE_CLAIMS:
-            row[f"slope:{metric}"] = stats.slope(prog, series[metric]) if metric in series else np.nan
-        for x, y, _, _ in CORRELATION_CLAIMS:
-            both = x in series and y in series
-            row[f"rho:{x}:{y}"] = stats.spearman(np.diff(series[x]), np.diff(series[y]))[0] if both else np.nan
-            row[f"raw:{x}:{y}"] = stats.spearman(series[x], series[y])[0] if both else np.nan
+        sloped = [m for m, _, _ in SLOPE_CLAIMS if m in series]  # every statistic of a kind in one stacked call
+        row.update({f"slope:{m}": np.nan for m, _, _ in SLOPE_CLAIMS})
+        row.update(zip((f"slope:{m}" for m in sloped), stats.slopes(prog, [series[m] for m in sloped]), strict=True))
+        pairs = [(x, y) for x, y, _, _ in CORRELATION_CLAIMS]
+        diffs = stats.spearman_pairs({m: np.diff(v) for m, v in series.items()}, pairs)
+        raw = stats.spearman_pairs(series, pairs)
+        for x, y in pairs:
+            row[f"rho:{x}:{y}"], row[f"raw:{x}:{y}"] = diffs[x, y], raw[x, y]
         c = g.get("participation_ratio_contrast")
         row["contrast_mean"] = float(c.mean()) if c is not None else np.nan
         out.append(row)

@@ -26,7 +26,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Iterable
 
 import numpy as np
 from scipy import optimize
@@ -39,6 +41,30 @@ def slope(x: np.ndarray, y: np.ndarray) -> float:
     if len(np.unique(x)) < 2:
         return math.nan
     return float(S.linregress(x, y).slope)
+
+
+# np.cov and np.corrcoef over a few stacked rows give each entry the bits of the same call on two rows:
+# their product X X^T is BLAS's, and at <= STACKED rows its kernel sums each entry as it does for two
+# (checked here for 3 to 300 columns; tests/analysis/test_stats.py compares them). One call for a
+# handful of series costs what one call for two did: slopes, spearman_pairs and comovement_excess stack.
+STACKED = 7
+
+
+def _chunks(n: int, size: int) -> list[np.ndarray]:
+    return [np.arange(i, min(i + size, n)) for i in range(0, n, size)]
+
+
+def slopes(x: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """slope(x, y) for each row y of `ys` (linregress's ratio of covariances, from stacked np.cov calls);
+    a row with a NaN gives NaN, as linregress does."""
+    x, ys = np.asarray(x, float), np.asarray(ys, float).reshape(len(ys), -1)
+    out = np.full(len(ys), math.nan)
+    if len(ys) == 0 or len(np.unique(x)) < 2 or np.isnan(x).any():
+        return out
+    for rows in _chunks(len(ys), STACKED - 1):
+        c = np.cov(np.vstack([x, ys[rows]]), bias=1)
+        out[rows] = c[0, 1:] / c[0, 0]
+    return out
 
 
 def t_mean_ci(values: np.ndarray, level: float = 0.95) -> tuple[float, float]:
@@ -157,6 +183,36 @@ def spearman(x: np.ndarray, y: np.ndarray) -> tuple[float, float, int]:
     return float(r.statistic), float(r.pvalue), int(ok.sum())
 
 
+def spearman_pairs(series: dict[str, np.ndarray], pairs: Iterable[tuple[str, str]]) -> dict[tuple[str, str], float]:
+    """spearman(series[x], series[y])[0] for each (x, y) of `pairs` whose series both exist (else NaN).
+    Finite series of one length, at most STACKED of them, are ranked in one call and correlated in one
+    np.corrcoef (the rho scipy's spearmanr gives, bit for bit); a pair with a non-finite value, series of
+    other lengths, or more series than that go through spearman one pair at a time."""
+    pairs = list(pairs)
+    names = [m for m in dict.fromkeys(m for p in pairs for m in p) if m in series]
+    arrays = {m: np.asarray(series[m], float) for m in names}
+    stack = [m for m in names if np.isfinite(arrays[m]).all()]
+    if len(stack) > STACKED or len({len(arrays[m]) for m in stack}) > 1:
+        stack = []
+    c = np.full((len(stack), len(stack)), math.nan)
+    if stack and len(arrays[stack[0]]) >= 3:
+        rows = np.vstack([arrays[m] for m in stack])
+        constant = (rows == rows[:, :1]).all(axis=1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            c = np.atleast_2d(np.corrcoef(S.rankdata(rows, axis=1)))
+        c[constant, :] = c[:, constant] = math.nan
+    at = {m: i for i, m in enumerate(stack)}
+    out = {}
+    for x, y in pairs:
+        if x not in arrays or y not in arrays:
+            out[x, y] = math.nan
+        elif x in at and y in at:
+            out[x, y] = float(c[at[y], at[x]])  # spearmanr's entry: y's row, x's column
+        else:
+            out[x, y] = spearman(arrays[x], arrays[y])[0]
+    return out
+
+
 def mde(values: np.ndarray, power: float = 0.8, level: float = 0.95) -> float:
     """Minimum detectable effect: the smallest true mean that a two-sided one-sample t-test at
     1 - `level` detects with probability `power`, given n and the observed SD of `values`.
@@ -270,6 +326,15 @@ def fisher_z_mean_ci(rhos: np.ndarray, level: float = 0.95) -> tuple[float, floa
     return mean, (math.tanh(lo) if math.isfinite(lo) else math.nan), (math.tanh(hi) if math.isfinite(hi) else math.nan)
 
 
+@functools.lru_cache(maxsize=32)
+def _sign_patterns(n: int) -> np.ndarray:
+    """Every pattern of n signs, (2^n, n) as floats (built once per n: at n = 16 building it cost more
+    than the test); read-only, shared between calls."""
+    signs = (1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)).astype(float)
+    signs.flags.writeable = False
+    return signs
+
+
 def sign_flip_p(
     values: np.ndarray, max_exact: int = 16, n_resamples: int = 20000, seed: int = 0
 ) -> tuple[float, float]:
@@ -284,8 +349,7 @@ def sign_flip_p(
         return math.nan, math.nan
     obs = abs(v.mean()) - 1e-12 * max(1.0, float(np.abs(v).max()))
     if n <= max_exact:
-        signs = 1 - 2 * ((np.arange(2**n)[:, None] >> np.arange(n)) & 1)  # (2^n, n) every pattern
-        means = np.abs(signs @ v) / n
+        means = np.abs(_sign_patterns(n) @ v) / n
         return float(np.mean(means >= obs)), float(2.0 / 2**n)
     rng = np.random.default_rng(seed)
     signs = rng.choice([-1.0, 1.0], size=(n_resamples, n))
@@ -306,22 +370,43 @@ def comovement_excess(x: list[np.ndarray], y: list[np.ndarray], level: float = 0
     if n < 2:
         return out
 
-    def corr(a: np.ndarray, b: np.ndarray) -> float:
-        m = min(len(a), len(b))
-        a, b = a[:m], b[:m]
-        ok = np.isfinite(a) & np.isfinite(b)
-        if ok.sum() < 3 or np.std(a[ok]) == 0 or np.std(b[ok]) == 0:
-            return math.nan
-        return float(np.corrcoef(a[ok], b[ok])[0, 1])
-
-    own = np.array([corr(dx[i], dy[i]) for i in range(n)])
-    null = np.array([finite_mean([corr(dx[i], dy[j]) for j in range(n) if j != i]) for i in range(n)])
+    r = _cross_r(dx, dy)
+    own = np.diag(r).copy()
+    null = np.array([finite_mean([r[i, j] for j in range(n) if j != i]) for i in range(n)])
     excess = own - null
     lo, hi = t_mean_ci(excess, level)
     return dict(
         observed=finite_mean(own), null=finite_mean(null), excess=finite_mean(excess),
         low=lo, high=hi, n=int(np.isfinite(excess).sum()), per_unit=excess,
     )  # fmt: skip
+
+
+def _pearson(a: np.ndarray, b: np.ndarray) -> float:
+    """Pearson r over the first min(len) entries, finite pairs only; NaN below 3 pairs or a constant side."""
+    m = min(len(a), len(b))
+    a, b = a[:m], b[:m]
+    ok = np.isfinite(a) & np.isfinite(b)
+    if ok.sum() < 3 or np.std(a[ok]) == 0 or np.std(b[ok]) == 0:
+        return math.nan
+    return float(np.corrcoef(a[ok], b[ok])[0, 1])
+
+
+def _cross_r(dx: list[np.ndarray], dy: list[np.ndarray]) -> np.ndarray:
+    """r[i, j] = _pearson(dx[i], dy[j]). Finite series of one length (what comovement_per_seed passes):
+    each dx[i] stacked with up to STACKED - 1 of the dy in one np.corrcoef, entry for entry the bits of
+    the pairwise call; otherwise pair by pair."""
+    n = len(dx)
+    if len({len(a) for a in dx + dy}) > 1 or not all(np.isfinite(a).all() for a in dx + dy) or len(dx[0]) < 3:
+        return np.array([[_pearson(dx[i], dy[j]) for j in range(n)] for i in range(n)])
+    xs, ys = np.vstack(dx), np.vstack(dy)
+    r = np.full((n, n), math.nan)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for i in range(n):
+            for cols in _chunks(n, STACKED - 1):
+                r[i, cols] = np.corrcoef(np.vstack([xs[i], ys[cols]]))[0, 1:]
+    r[np.std(xs, axis=1) == 0, :] = math.nan
+    r[:, np.std(ys, axis=1) == 0] = math.nan
+    return r
 
 
 def finite_mean(values) -> float:
