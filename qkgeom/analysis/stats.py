@@ -1,6 +1,7 @@
 """Pure statistics for the claims table: arrays in, numbers out (scipy underneath).
 
 - slope:                 OLS slope of y on x (scipy.stats.linregress).
+- slopes:                the same for several y at once (stacked np.cov; the same bits, one call).
 - t_mean_ci:             Student-t CI of the mean over independent units (seeds); exact coverage for
                          normal data at any n >= 2, which a percentile bootstrap lacks at n = 4-5 (~80%).
 - bootstrap_mean_ci:     percentile CI of the mean by resampling units (scipy.stats.bootstrap); kept for
@@ -10,6 +11,7 @@
 - sign_test:             two-sided binomial test of the count of positive signs (scipy.stats.binomtest).
 - probability_of_direction: share of the bootstrap distribution of the mean on the predicted side.
 - spearman:              rank correlation and p-value (scipy.stats.spearmanr).
+- spearman_pairs:        rho of several pairs of series, each series ranked once (spearmanr's bits).
 - mde:                   minimum detectable effect of a one-sample t-test at a power (noncentral t).
 - fieller_ratio_ci:      Fieller's CI of a ratio of two means over paired units (the IV estimate).
 - tost, inside_margin:   two one-sided tests of equivalence: the 90% t-interval (or any interval)
