@@ -173,6 +173,8 @@ def per_run_statistics(w: pd.DataFrame) -> pd.DataFrame:
         index=["run_id", "seed", "qk_init", "n_layers", "layer", "step", "progress"], columns="metric", values="value"
     )
     keys = ["run_id", "seed", "qk_init", "n_layers", "layer"]
+    pairs = [(x, y) for x, y, _, _ in CORRELATION_CLAIMS]
+    ranked = {m for pair in pairs for m in pair}  # the metrics whose first differences are ranked
     out = []
     for key, g in layer_rows.groupby(level=keys):
         prog = g.index.get_level_values("progress").to_numpy()
@@ -182,8 +184,7 @@ def per_run_statistics(w: pd.DataFrame) -> pd.DataFrame:
         sloped = [m for m, _, _ in SLOPE_CLAIMS if m in series]  # every statistic of a kind in one stacked call
         row.update({f"slope:{m}": np.nan for m, _, _ in SLOPE_CLAIMS})
         row.update(zip((f"slope:{m}" for m in sloped), stats.slopes(prog, [series[m] for m in sloped]), strict=True))
-        pairs = [(x, y) for x, y, _, _ in CORRELATION_CLAIMS]
-        diffs = stats.spearman_pairs({m: np.diff(v) for m, v in series.items()}, pairs)
+        diffs = stats.spearman_pairs({m: np.diff(v) for m, v in series.items() if m in ranked}, pairs)
         raw = stats.spearman_pairs(series, pairs)
         for x, y in pairs:
             row[f"rho:{x}:{y}"], row[f"raw:{x}:{y}"] = diffs[x, y], raw[x, y]

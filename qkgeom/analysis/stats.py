@@ -59,7 +59,8 @@ def _chunks(n: int, size: int) -> list[np.ndarray]:
 def slopes(x: np.ndarray, ys: np.ndarray) -> np.ndarray:
     """slope(x, y) for each row y of `ys` (linregress's ratio of covariances, from stacked np.cov calls);
     a row with a NaN gives NaN, as linregress does."""
-    x, ys = np.asarray(x, float), np.asarray(ys, float).reshape(len(ys), -1)
+    x = np.asarray(x, float)
+    ys = np.asarray(ys, float).reshape(len(ys), len(x))  # no y at all: shape (0, len(x))
     out = np.full(len(ys), math.nan)
     if len(ys) == 0 or len(np.unique(x)) < 2 or np.isnan(x).any():
         return out

@@ -209,6 +209,7 @@ def test_stacked_slopes_and_rank_correlations_equal_scipys_one_at_a_time():
             want = np.nan if n < 3 or not dy[j].any() else np.corrcoef(dx[i], dy[j])[0, 1]
             assert _same(r[i, j], want), (t, i, j)
     assert stats.spearman_pairs({"a": np.arange(6.0), "b": -(np.arange(6.0) ** 3)}, [("a", "b")])["a", "b"] == -1.0
+    assert stats.slopes(np.arange(5.0), []).shape == (0,)  # a run with none of the slope metrics
 
 
 def test_holm_matches_a_hand_computation():
