@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from qkgeom.probing.hf import hf_quiet
 from qkgeom.results import EXPORT_INFO, EXPORT_VOCAB, DamagedRunError, RunDir, read_json, revision_name, write_json
 
 
@@ -31,7 +32,8 @@ def _write_folder(target: Path, hf, vocab: str, info: dict) -> None:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp"))
     try:
         try:
-            hf.save_pretrained(tmp)
+            with hf_quiet():  # one "Writing model shards" bar per revision otherwise
+                hf.save_pretrained(tmp)
         except OSError:
             raise
         except Exception as e:  # safetensors reports a full disk as its own error type, not OSError

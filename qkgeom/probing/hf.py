@@ -170,6 +170,23 @@ def _load_error(name: str, revision: str | None, e: OSError) -> PretrainedError:
     return PretrainedError(f"cannot load {name!r} at revision {revision or 'main'}: {first}")
 
 
+@contextmanager
+def hf_quiet() -> Iterator[None]:
+    """transformers' reports and progress bars off for one load or save, the caller's settings restored after:
+    a checkpoint family loads (and exports) one model per revision, and a bar for each drowns the caller's."""
+    from transformers.utils import logging as hf_logging
+
+    verbosity, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
 def load_model(name: str, revision: str | None = None, memory_limit: int | None = None) -> nn.Module:
     """A Hugging Face model by hub name (+ revision, cached by transformers) or local folder, in float32,
     routed through the qkgeom attention. Fails before loading if it cannot fit in memory."""
@@ -200,19 +217,16 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
             f"{name} needs about {need / 2**30:.1f} GiB (float32 weights + 30%), only {have / 2**30:.1f} GiB available"
         )
     cls = AutoModel if config.model_type == "bert" else AutoModelForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # its load report would repeat, unasked, what check_loading_info refuses
     try:
-        model, info = cls.from_pretrained(
-            name,
-            revision=revision,
-            attn_implementation=ATTN_IMPL,
-            dtype=torch.float32,
-            output_loading_info=True,
-            ignore_mismatched_sizes=True,  # reported in `info` and refused by check_loading_info, by name
-        )
+        with hf_quiet():  # its load report would repeat, unasked, what check_loading_info refuses
+            model, info = cls.from_pretrained(
+                name,
+                revision=revision,
+                attn_implementation=ATTN_IMPL,
+                dtype=torch.float32,
+                output_loading_info=True,
+                ignore_mismatched_sizes=True,  # reported in `info` and refused by check_loading_info, by name
+            )
     except (OSError, ValueError) as e:
         raise _load_error(name, revision, e) from None
     except SafetensorError as e:  # a truncated or corrupt model.safetensors
@@ -222,8 +236,6 @@ def load_model(name: str, revision: str | None = None, memory_limit: int | None 
             f"the weights of {name} are a pickle holding more than tensors; torch refuses to unpickle it (it could "
             "run code): convert it to safetensors where you trust its source"
         ) from None
-    finally:
-        hf_logging.set_verbosity(verbosity)
     check_loading_info(name, info)
     return model.eval()
 

@@ -230,7 +230,7 @@ def test_export_of_a_run_without_checkpoints_is_refused(tmp_path, capsys):
     assert "has no checkpoints to export" in capsys.readouterr().err
 
 
-def test_export_is_whole_per_revision_resumable_and_one_run_per_folder(exported, tmp_path, monkeypatch):
+def test_export_is_whole_per_revision_resumable_and_one_run_per_folder(exported, tmp_path, monkeypatch, capfd):
     from transformers import GPT2LMHeadModel
 
     from qkgeom.results import DamagedRunError
@@ -250,7 +250,9 @@ def test_export_is_whole_per_revision_resumable_and_one_run_per_folder(exported,
     monkeypatch.undo()
     left = sorted((tmp_path / "hf").iterdir())  # the first revision whole; no half folder, no temp left
     assert len(left) == 1 and left[0].name.startswith("step_") and (left[0] / "qkgeom_export.json").is_file()
+    capfd.readouterr()
     assert sorted(f.name for f in export_run(rd.path, tmp_path / "hf")) == ["step_0", "step_12", "step_6"]
+    assert "Writing model shards" not in capfd.readouterr().err  # no bar per revision under the caller's
     cfg = json.loads((tmp_path / "hf" / "step_6" / "config.json").read_text())
     assert cfg["bos_token_id"] is None and cfg["eos_token_id"] is None  # GPT-2's 50256 is outside our vocabulary
 

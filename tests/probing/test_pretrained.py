@@ -282,3 +282,16 @@ def test_sequences_open_with_the_models_own_start_tokens(tmp_path):
     assert len(batches) == 2 and batches[0].tolist() == [[1, 10, 11, 12, 13], [1, 14, 15, 16, 17]]
     assert batches[1][:, 0].tolist() == [1, 1] and batches[1][0, 1] == 18  # text continues, BOS repeats
     assert next(P.token_batches(np.arange(10, 40), 5, 2, 16))[0].tolist() == [10, 11, 12, 13, 14]  # stripped
+
+
+def test_loading_draws_no_bar_of_its_own(tmp_path, capfd):
+    """A family loads one model per revision: transformers' per-load "Loading weights" bar would print 22
+    bars under the caller's; the loader silences it and leaves the caller's setting as it found it."""
+    from transformers.utils import logging as hf_logging
+
+    AutoModelForCausalLM.from_config(CONFIGS["gpt2"]).save_pretrained(tmp_path / "g")
+    capfd.readouterr()
+    assert hf_logging.is_progress_bar_enabled()
+    P.load_model(str(tmp_path / "g"))
+    assert "Loading weights" not in capfd.readouterr().err
+    assert hf_logging.is_progress_bar_enabled()
