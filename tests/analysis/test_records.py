@@ -37,6 +37,10 @@ REDERIVED = {
         ("claims.csv", "verdicts.csv", "family_claims.csv", "family_seeds.csv", "per_layer.csv", "robustness.csv"),
         ["F1", "F2", "F4"],
     ),
+    "study-family-replication": (
+        ("claims.csv", "verdicts.csv", "family_claims.csv", "family_seeds.csv", "per_layer.csv", "robustness.csv"),
+        ["F1", "F2", "F2L0", "F4"],
+    ),
 }
 
 
