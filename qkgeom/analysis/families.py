@@ -133,9 +133,16 @@ def within_layer_link(ir: pd.Series, entropy: pd.Series, seed: int = 0) -> tuple
 
 def family_trends(geometry: pd.DataFrame, early_max_step: int = C.EARLY_MAX_STEP) -> pd.DataFrame:
     """Spearman and OLS slope of the paired contrast on log(1 + step), early (step <= early_max_step)
-    and late, per layer and for the layer mean; plus at each revision the across-heads
+    and late, per layer and for the layer mean (contrast_trends); plus at each revision the across-heads
     interaction-rank vs entropy correlation, pooled and within layer with its permutation p (claim
     4b). Uses post-rotary q/k where the model has rotary embeddings."""
+    frames = [t for t in (contrast_trends(geometry, early_max_step), _heads_links(geometry)) if len(t)]
+    return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+
+
+def contrast_trends(geometry: pd.DataFrame, early_max_step: int = C.EARLY_MAX_STEP) -> pd.DataFrame:
+    """family_trends' contrast rows alone: Spearman rho and OLS slope of PR_Q - PR_K on log(1 + step) in
+    the early window (step <= early_max_step) and the late one, per layer and for the layer mean."""
     site = "post_rotary" if (geometry["site"] == "post_rotary").any() else "none"
     g = geometry[geometry["step"] >= 0]
     c = g[(g["metric"] == "participation_ratio_contrast") & (g["head"] == -1) & (g["site"] == site)]
@@ -163,6 +170,13 @@ def family_trends(geometry: pd.DataFrame, early_max_step: int = C.EARLY_MAX_STEP
             rows.append(
                 {"statistic": CONTRAST_SLOPE, "window": part, "layer": layer, "slope": stats.slope(x, y), "n": n}
             )
+    return pd.DataFrame(rows)
+
+
+def _heads_links(geometry: pd.DataFrame) -> pd.DataFrame:
+    """At each revision: the across-heads Spearman of interaction rank with attention entropy, pooled
+    and within layer (family_trends)."""
+    rows = []
     heads = geometry[geometry["head"] >= 0]  # every revision, step-less ones (a single model) included
     for rev, x in heads.groupby("revision"):
         ir = archs.one_site(x[x["metric"] == "interaction_rank"]).set_index(["layer", "head"])["value"]

@@ -5,6 +5,7 @@ checkpoint family per seed, through the Hugging Face path, and judged across see
     <study>/family/<run_id>/analysis/          `qkgeom pretrained EXPORT --all-revisions` output
     <study>/family_seeds.csv                   per seed: early / late trends, across-heads correlations
     <study>/family_claims.csv                  the verdict rows (also in claims.csv, study = family)
+    <study>/family_windows.csv                 F1 and F2 with the early window ending at each of WINDOW_SPLITS
 
 Per seed (a run): Spearman rho of the paired contrast PR_Q - PR_K (layer mean, token level) against
 log(1 + step) in the early window (step <= early_max_step) and in the late one, and the across-heads
@@ -28,6 +29,7 @@ from qkgeom.analysis.families import (
     CONTRAST_TREND,
     HEADS_LINK,
     WITHIN_LAYER_LINK,
+    contrast_trends,
     family_trends,
     load_family,
 )
@@ -49,6 +51,10 @@ from qkgeom.results import (
 )
 
 FAMILY_DIR = "family"
+FAMILY_WINDOWS = "family_windows"  # <study>/family_windows.csv (window_sensitivity)
+# where the early window may end, each tried in turn (the registered 1000 among them): revision steps with
+# at least 5 revisions on either side of a run's 22; exploratory, chosen before any of them was read
+WINDOW_SPLITS = (300, 500, 1000, 2000, 3000)
 # the claims of configs/study-family-cpu.toml
 F1 = "F1 early trend of PR_Q - PR_K: " + CONTRAST_TREND
 F2 = "F2 decay: early rho - late rho"
@@ -253,6 +259,24 @@ def _per_layer_decay(trend: pd.DataFrame, early_note: str, late_note: str) -> li
     return rows
 
 
+def window_sensitivity(path: str | Path, splits: tuple[int, ...] = WINDOW_SPLITS) -> pd.DataFrame:
+    """F1 (early trend) and F2 (early - late decay) of the layer mean and of each layer, judged as
+    family_claims judges them, with the early window ending at each of `splits` in turn: does claim 4's
+    reading hang on where "early" ends? Exploratory: no pre-registration names these rows."""
+    runs = [(seed, geometry) for _, seed, geometry, _, _ in _families(path)]
+    frames = []
+    for split in splits:
+        seeds = pd.concat(
+            [contrast_trends(g, split).assign(seed=seed, early_max_step=split) for seed, g in runs], ignore_index=True
+        )
+        c = family_claims(seeds)
+        c = c[((c["claim_id"] == CLAIM_IDS[F1]) & (c["window"] == "early")) | (c["claim_id"] == CLAIM_IDS[F2])]
+        frames.append(c.assign(early_max_step=split, claim=np.where(c["window"] == "early", "F1", "F2")))
+    cols = ["early_max_step", "claim", "group", "value", "ci_low", "ci_high", "n", "seeds_agreeing", "p_value",
+            "p_sign_flip", "verdict", "mde_80"]  # fmt: skip
+    return pd.concat(frames, ignore_index=True)[cols] if frames else pd.DataFrame(columns=cols)
+
+
 def write_family_tables(path: str | Path, seeds: pd.DataFrame | None = None) -> pd.DataFrame:
     """seed_statistics (`seeds`, if already read) and family_claims of the families under `path`,
     written as CSV; the claims."""
@@ -279,6 +303,7 @@ def analyze_study(path: str | Path):
         return analyze(path)
     seeds = seed_statistics(path)  # read once: the claims, and each seed left out of them
     a = analyze(path, extra=lambda p: [write_family_tables(p, seeds)])
+    write_table(path, FAMILY_WINDOWS, window_sensitivity(path))
     if families := R.registered(study_analysis(path), R.MAIN_VARIANTS):  # analysis.robustness
         R.only_seed_variant(families)
         table = R.leave_one_seed_out(

@@ -34,11 +34,13 @@ REDERIVED = {
     ),
     "study-causal-cpu": (("claims.csv", "verdicts.csv", "per_layer.csv", "robustness.csv"), ["O1", "O2"]),
     "study-family-cpu": (
-        ("claims.csv", "verdicts.csv", "family_claims.csv", "family_seeds.csv", "per_layer.csv", "robustness.csv"),
+        ("claims.csv", "verdicts.csv", "family_claims.csv", "family_seeds.csv", "per_layer.csv", "robustness.csv")
+        + ("family_windows.csv",),
         ["F1", "F2", "F4"],
     ),
     "study-family-replication": (
-        ("claims.csv", "verdicts.csv", "family_claims.csv", "family_seeds.csv", "per_layer.csv", "robustness.csv"),
+        ("claims.csv", "verdicts.csv", "family_claims.csv", "family_seeds.csv", "per_layer.csv", "robustness.csv")
+        + ("family_windows.csv",),
         ["F1", "F2", "F2L0", "F4"],
     ),
 }

@@ -173,3 +173,37 @@ def test_a_family_study_keeps_its_families_in_its_records(tmp_path):
     geometry.write_bytes(geometry.read_bytes()[:-1] + b"\0")
     with pytest.raises(RecordError, match="family/"):
         check_records(study)
+
+
+def test_the_window_sensitivity_re_judges_f1_and_f2_where_early_ends():
+    """family_windows.csv on the committed replication's records: at the registered end (1000) its rows are
+    the study's claims; at 500 the layer-mean decay is the mean over seeds of scipy's Spearman rho early
+    minus late, each seed's contrast averaged over layers by hand from its revisions' geometry."""
+    from pathlib import Path
+
+    from qkgeom.analysis.families import load_family
+
+    study = Path(__file__).resolve().parents[2] / "docs" / "results" / "study-family-replication"
+    if not (study / "runs").is_dir():
+        pytest.skip("no committed family-replication records")
+    table = FS.window_sensitivity(study)
+    assert sorted(table["early_max_step"].unique()) == list(FS.WINDOW_SPLITS)
+    assert len(table) == len(FS.WINDOW_SPLITS) * 2 * 5  # F1 and F2: the layer mean and 4 layers
+    claims = pd.read_csv(study / "family_claims.csv")
+    registered = table[table["early_max_step"] == 1000]
+    for claim, window in (("F1", "early"), ("F2", "early vs late")):
+        want = claims[claims["claim_id"].isin(["family:contrast_trend", "family:contrast_trend_decay"])]
+        want = want[want["window"] == window].set_index("group")["value"]
+        got = registered[registered["claim"] == claim].set_index("group")["value"]
+        assert got.to_dict() == pytest.approx(want.to_dict(), rel=1e-9)
+    decays = []
+    for run in sorted((study / "runs").iterdir()):
+        geometry, _ = load_family(run / "family")
+        c = geometry[(geometry["metric"] == "participation_ratio_contrast") & (geometry["head"] == -1)]
+        mean = c[c["step"] >= 0].groupby("step")["value"].mean()  # over layers
+        early, late = mean[mean.index <= 500], mean[mean.index > 500]
+        rho = [sps.spearmanr(np.log1p(w.index.to_numpy(float)), w.to_numpy())[0] for w in (early, late)]
+        decays.append(rho[0] - rho[1])
+    row = table[(table["early_max_step"] == 500) & (table["claim"] == "F2") & (table["group"] == "layer mean")]
+    assert row["value"].item() == pytest.approx(np.mean(decays), rel=1e-12)
+    assert row["verdict"].item() == "fails" and np.mean(decays) < row["ci_high"].item() < 0
