@@ -5,7 +5,7 @@ checkpoint family per seed, through the Hugging Face path, and judged across see
     <study>/family/<run_id>/analysis/          `qkgeom pretrained EXPORT --all-revisions` output
     <study>/family_seeds.csv                   per seed: early / late trends, across-heads correlations
     <study>/family_claims.csv                  the verdict rows (also in claims.csv, study = family)
-    <study>/family_windows.csv                 F1 and F2 with the early window ending at each of WINDOW_SPLITS
+    <study>/family_windows.csv                 F1 and F2 with the early window ending elsewhere (WINDOW_FACTORS)
 
 Per seed (a run): Spearman rho of the paired contrast PR_Q - PR_K (layer mean, token level) against
 log(1 + step) in the early window (step <= early_max_step) and in the late one, and the across-heads
@@ -52,9 +52,9 @@ from qkgeom.results import (
 
 FAMILY_DIR = "family"
 FAMILY_WINDOWS = "family_windows"  # <study>/family_windows.csv (window_sensitivity)
-# where the early window may end, each tried in turn (the registered 1000 among them): revision steps with
-# at least 5 revisions on either side of a run's 22; exploratory, chosen before any of them was read
-WINDOW_SPLITS = (300, 500, 1000, 2000, 3000)
+# where the early window may end, as multiples of the end it was analysed with (each tried in turn): at
+# family-cpu's 1000, steps 300-3000, each with at least 5 of a run's 22 revisions on either side
+WINDOW_FACTORS = (0.3, 0.5, 1.0, 2.0, 3.0)
 # the claims of configs/study-family-cpu.toml
 F1 = "F1 early trend of PR_Q - PR_K: " + CONTRAST_TREND
 F2 = "F2 decay: early rho - late rho"
@@ -259,13 +259,15 @@ def _per_layer_decay(trend: pd.DataFrame, early_note: str, late_note: str) -> li
     return rows
 
 
-def window_sensitivity(path: str | Path, splits: tuple[int, ...] = WINDOW_SPLITS) -> pd.DataFrame:
+def window_sensitivity(path: str | Path, factors: tuple[float, ...] = WINDOW_FACTORS) -> pd.DataFrame:
     """F1 (early trend) and F2 (early - late decay) of the layer mean and of each layer, judged as
-    family_claims judges them, with the early window ending at each of `splits` in turn: does claim 4's
-    reading hang on where "early" ends? Exploratory: no pre-registration names these rows."""
-    runs = [(seed, geometry) for _, seed, geometry, _, _ in _families(path)]
+    family_claims judges them, with the early window ending at each of `factors` times the end the
+    families were analysed with: does claim 4's reading hang on where "early" ends? Exploratory: no
+    pre-registration names these rows."""
+    families = list(_families(path))
+    runs = [(seed, geometry) for _, seed, geometry, _, _ in families]
     frames = []
-    for split in splits:
+    for split in [round(f * early_max_step_of(families[0][4])) for f in factors] if families else []:
         seeds = pd.concat(
             [contrast_trends(g, split).assign(seed=seed, early_max_step=split) for seed, g in runs], ignore_index=True
         )

@@ -150,6 +150,12 @@ def family_study_section(path: str | Path) -> list[str]:
         ("family_heads_link", fp.heads_link(fam, seeds, FS.HEADS_LINK, _per_step(claims)),
          "Interaction rank vs attention entropy "
          "across heads: per revision (left), and every head at three revisions"),
+        *(
+            [("family_windows", fp.family_windows(pd.read_csv(path / f"{FS.FAMILY_WINDOWS}.csv"), early),
+              "F1 and F2 re-judged with the early window ending at each step on the x axis (family_windows.csv; "
+              "exploratory, no pre-registration names these rows)")]
+            if (path / f"{FS.FAMILY_WINDOWS}.csv").is_file() else []
+        ),
     ):  # fmt: skip
         png = png_bytes(fig)
         atomic_write_bytes(path / "report" / f"{name}.png", png)

@@ -95,6 +95,34 @@ def family_seeds_contrast(fam: pd.DataFrame, early_max_step: int) -> Figure:
     return fig
 
 
+def family_windows(table: pd.DataFrame, registered: int) -> Figure:
+    """A family study's family_windows.csv: F1 (early trend) and F2 (early - late decay) with their 95%
+    intervals against where the early window ends, the layer mean and each layer; the registered end marked."""
+    fig, axes = subplots(1, 2, figsize=(11, 3.6))
+    groups = list(dict.fromkeys(table["group"]))
+    for ax, (claim, title) in zip(axes, (("F1", "F1 early trend (Spearman rho)"),
+                                         ("F2", "F2 decay: early rho - late rho")), strict=True):  # fmt: skip
+        rows = table[table["claim"] == claim]
+        for i, group in enumerate(groups):
+            g = rows[rows["group"] == group].sort_values("early_max_step")
+            x = g["early_max_step"] * (1 + 0.03 * (i - (len(groups) - 1) / 2))  # side by side, not on top
+            err = [g["value"] - g["ci_low"], g["ci_high"] - g["value"]]
+            mean = group == "layer mean"
+            ax.errorbar(x, g["value"], yerr=err, marker="o", ms=4 if mean else 3, capsize=2, lw=2 if mean else 0.9,
+                        color="k" if mean else f"C{i}", label=group)  # fmt: skip
+        ax.axhline(0, color="k", lw=0.5)
+        ax.axvline(registered, color="tab:green", lw=1, ls="--", label=f"registered end ({registered})")
+        ax.set_xscale("log")
+        ticks = sorted(table["early_max_step"].unique())
+        ax.set_xticks(ticks, [f"{t:,}" for t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel("early window ends at step")
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("Claim 4 with the early window ending elsewhere (exploratory; 95% intervals over seeds)", fontsize=10)
+    return fig
+
+
 def heads_link(fam: pd.DataFrame, seeds: pd.DataFrame, statistic: str, per_step: pd.DataFrame) -> Figure:
     """A family study: the across-heads Spearman of interaction rank with attention entropy at each
     revision (per seed, and the analysis' mean with its 95% interval: per_step has step, value,

@@ -97,6 +97,13 @@ def test_a_family_study_end_to_end(tmp_path, capsys):
     html = (out / "report" / "index.html").read_text()
     assert "Checkpoint families (the paper" in html and "F3 an early regime that decays" in html
     assert (out / "report" / "family_seeds_contrast.png").is_file()
+    windows = pd.read_csv(out / "family_windows.csv")  # the early window ending at 0.3-3 times its 10 steps
+    assert sorted(windows["early_max_step"].unique()) == [3, 5, 10, 20, 30]
+    at_10 = windows[(windows["early_max_step"] == 10) & (windows["group"] == "layer mean")].set_index("claim")
+    assert at_10.loc["F1", "value"] == pytest.approx(family.loc[FS.F1, "value"], rel=1e-12)
+    f2 = claims[(claims["claim"] == FS.F2) & (claims["group"] == "layer mean")]["value"].item()
+    assert at_10.loc["F2", "value"] == pytest.approx(f2, rel=1e-12)
+    assert (out / "report" / "family_windows.png").is_file()
     assert not FS.is_family_study(tmp_path / "fam" / "family")  # exports are not runs
 
 
@@ -187,8 +194,8 @@ def test_the_window_sensitivity_re_judges_f1_and_f2_where_early_ends():
     if not (study / "runs").is_dir():
         pytest.skip("no committed family-replication records")
     table = FS.window_sensitivity(study)
-    assert sorted(table["early_max_step"].unique()) == list(FS.WINDOW_SPLITS)
-    assert len(table) == len(FS.WINDOW_SPLITS) * 2 * 5  # F1 and F2: the layer mean and 4 layers
+    assert sorted(table["early_max_step"].unique()) == [300, 500, 1000, 2000, 3000]
+    assert len(table) == 5 * 2 * 5  # F1 and F2 at 5 ends: the layer mean and 4 layers
     claims = pd.read_csv(study / "family_claims.csv")
     registered = table[table["early_max_step"] == 1000]
     for claim, window in (("F1", "early"), ("F2", "early vs late")):
