@@ -290,8 +290,13 @@ def test_loading_draws_no_bar_of_its_own(tmp_path, capfd):
     from transformers.utils import logging as hf_logging
 
     AutoModelForCausalLM.from_config(CONFIGS["gpt2"]).save_pretrained(tmp_path / "g")
-    capfd.readouterr()
-    assert hf_logging.is_progress_bar_enabled()
-    P.load_model(str(tmp_path / "g"))
-    assert "Loading weights" not in capfd.readouterr().err
-    assert hf_logging.is_progress_bar_enabled()
+    before = hf_logging.is_progress_bar_enabled()  # an earlier test in this process (`qkgeom pretrained`) may
+    hf_logging.enable_progress_bar()  # have turned the bars off for good: on here, as a user's would be
+    try:
+        capfd.readouterr()
+        P.load_model(str(tmp_path / "g"))
+        assert "Loading weights" not in capfd.readouterr().err
+        assert hf_logging.is_progress_bar_enabled()
+    finally:
+        if not before:
+            hf_logging.disable_progress_bar()
