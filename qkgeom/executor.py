@@ -163,7 +163,9 @@ def _run_pool(
                 raise
             pool.shutdown(wait=True)
             queue = []
-            for job in lost:
+            # as_completed hands the broken futures back in no set order: resubmit in the order given (longest
+            # first in a sweep), or a job may run beside the next killer again and be charged twice
+            for job in sorted(lost, key=jobs.index):
                 if os.path.exists(marker[job.key]):
                     attempts[job.key] += 1
                     os.remove(marker[job.key])

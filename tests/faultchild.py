@@ -47,6 +47,14 @@ def _signal_at_step(step: int, sig: signal.Signals) -> None:
     results.RunDir.append_metrics = append
 
 
+def log_start(folder: str, key: str, dies: bool) -> str:
+    """A pool job that appends its key to folder/started as it starts; a `dies` job then SIGKILLs its
+    worker the first time it runs (tests/e2e/test_faults.py: the order jobs are resubmitted in)."""
+    with open(Path(folder) / "started", "a") as f:
+        f.write(key + "\n")
+    return die_first_time(folder, key, dies, 0.0)
+
+
 def die_first_time(folder: str, key: str, dies: bool, seconds: float) -> str:
     """A pool job (tests/e2e/test_faults.py): a `dies` job SIGKILLs its worker the first time it runs;
     every job takes `seconds`."""

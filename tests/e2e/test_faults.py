@@ -282,6 +282,28 @@ def test_two_unrelated_worker_deaths_fail_no_job_that_never_ran(tmp_path):
     assert results == {k: k for k in keys}, results
 
 
+def test_jobs_broken_by_a_worker_death_run_again_in_the_order_given(tmp_path, monkeypatch):
+    # as_completed returns futures already done (all of them, when a loaded machine is slow to ask) in no
+    # set order; resubmitted in it, a sweep lost its longest-first order and a bystander could run beside
+    # the next killer again (charged twice: CI at c3b146b). Here it hands them back in reverse.
+    import concurrent.futures
+
+    from qkgeom import executor
+    from qkgeom.executor import Job, _run_pool  # a pool of one worker: its start order is the queue's
+    from tests.faultchild import log_start
+
+    def reversed_when_done(fs):
+        fs = list(fs)
+        concurrent.futures.wait(fs)
+        return reversed(fs)
+
+    monkeypatch.setattr(executor, "as_completed", reversed_when_done)
+    keys = ["k", *(f"j{i}" for i in range(12))]
+    results = dict(_run_pool(log_start, [Job(k, (str(tmp_path), k, k == "k")) for k in keys], workers=1))
+    assert results == {k: k for k in keys}
+    assert (tmp_path / "started").read_text().split() == ["k", *keys]
+
+
 def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
     # no race: the first sweep's runs are far longer than the test; it is stopped afterwards
     sweep = tmp_path / "long.toml"
