@@ -16,8 +16,8 @@ revision already analysed (done.json) is skipped.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -154,26 +154,40 @@ def has_families(path: str | Path) -> bool:
     return any(family_folder(path, run).is_dir() for run in family_runs(path))
 
 
-def _families(path: str | Path) -> Iterator[tuple[Path, int, pd.DataFrame, pd.DataFrame, Path]]:
-    """(run, seed, geometry, revisions, analysis folder) of every run analysed as a family so far."""
+class Family(NamedTuple):
+    """One run measured as a family: its record folder, seed, every revision's geometry rows, the
+    revisions (name, step) and the analysis folder they were read from."""
+
+    run: Path
+    seed: int
+    geometry: pd.DataFrame
+    revisions: pd.DataFrame
+    analysis: Path
+
+
+def read_families(path: str | Path) -> list[Family]:
+    """Every run under `path` analysed as a family so far, each read once."""
+    families = []
     for run in family_runs(path):
         analysis = family_folder(path, run)
         if analysis.is_dir():
             geometry, revs = load_family(analysis)
-            yield run, read_json(RunDir(run).config)["config"]["train"]["seed"], geometry, revs, analysis
+            seed = read_json(RunDir(run).config)["config"]["train"]["seed"]
+            families.append(Family(run, seed, geometry, revs, analysis))
+    return families
 
 
-def seed_statistics(path: str | Path) -> pd.DataFrame:
+def seed_statistics(families: list[Family]) -> pd.DataFrame:
     """One row per (run, statistic, window, layer): rho of each run's family trends (in the early
     window it was analysed with), with its seed and, for per-revision rows, the revision's step."""
     frames = []
-    for run, seed, geometry, revs, analysis in _families(path):
-        early_max_step = early_max_step_of(analysis)
-        t = family_trends(geometry, early_max_step)
+    for f in families:
+        early_max_step = early_max_step_of(f.analysis)
+        t = family_trends(f.geometry, early_max_step)
         t["early_max_step"] = early_max_step
-        steps = dict(zip(revs["revision"], revs["step"], strict=True))
+        steps = dict(zip(f.revisions["revision"], f.revisions["step"], strict=True))
         t["step"] = t["window"].map(steps)  # per-revision rows; NaN for the early / late trend rows
-        t["run_id"], t["seed"] = run.name, seed
+        t["run_id"], t["seed"] = f.run.name, f.seed
         frames.append(t)
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
@@ -259,17 +273,17 @@ def _per_layer_decay(trend: pd.DataFrame, early_note: str, late_note: str) -> li
     return rows
 
 
-def window_sensitivity(path: str | Path, factors: tuple[float, ...] = WINDOW_FACTORS) -> pd.DataFrame:
+def window_sensitivity(families: list[Family], factors: tuple[float, ...] = WINDOW_FACTORS) -> pd.DataFrame:
     """F1 (early trend) and F2 (early - late decay) of the layer mean and of each layer, judged as
     family_claims judges them, with the early window ending at each of `factors` times the end the
     families were analysed with: does claim 4's reading hang on where "early" ends? Exploratory: no
     pre-registration names these rows."""
-    families = list(_families(path))
-    runs = [(seed, geometry) for _, seed, geometry, _, _ in families]
+    analysed_end = early_max_step_of(families[0].analysis) if families else 0
     frames = []
-    for split in [round(f * early_max_step_of(families[0][4])) for f in factors] if families else []:
+    for split in [round(factor * analysed_end) for factor in factors] if families else []:
         seeds = pd.concat(
-            [contrast_trends(g, split).assign(seed=seed, early_max_step=split) for seed, g in runs], ignore_index=True
+            [contrast_trends(f.geometry, split).assign(seed=f.seed, early_max_step=split) for f in families],
+            ignore_index=True,
         )
         c = family_claims(seeds)
         c = c[((c["claim_id"] == CLAIM_IDS[F1]) & (c["window"] == "early")) | (c["claim_id"] == CLAIM_IDS[F2])]
@@ -279,10 +293,8 @@ def window_sensitivity(path: str | Path, factors: tuple[float, ...] = WINDOW_FAC
     return pd.concat(frames, ignore_index=True)[cols] if frames else pd.DataFrame(columns=cols)
 
 
-def write_family_tables(path: str | Path, seeds: pd.DataFrame | None = None) -> pd.DataFrame:
-    """seed_statistics (`seeds`, if already read) and family_claims of the families under `path`,
-    written as CSV; the claims."""
-    seeds = seed_statistics(path) if seeds is None else seeds
+def write_family_tables(path: str | Path, seeds: pd.DataFrame) -> pd.DataFrame:
+    """seed_statistics `seeds` and family_claims of the families under `path`, written as CSV; the claims."""
     claims = family_claims(seeds)
     write_table(path, Path(FAMILY_SEEDS_CSV).stem, seeds)
     write_table(path, Path(FAMILY_CLAIMS_CSV).stem, claims)
@@ -291,7 +303,7 @@ def write_family_tables(path: str | Path, seeds: pd.DataFrame | None = None) -> 
 
 def family_geometry(path: str | Path) -> pd.DataFrame:
     """Every family's whole-layer and per-head rows, with run_id and seed (for the report's figures)."""
-    frames = [g.assign(run_id=run.name, seed=seed) for run, seed, g, _, _ in _families(path)]
+    frames = [f.geometry.assign(run_id=f.run.name, seed=f.seed) for f in read_families(path)]
     return pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
 
 
@@ -303,9 +315,10 @@ def analyze_study(path: str | Path):
     path = Path(path)
     if not has_families(path):
         return analyze(path)
-    seeds = seed_statistics(path)  # read once: the claims, and each seed left out of them
+    families = read_families(path)  # read once: the claims, each seed left out of them, the windows
+    seeds = seed_statistics(families)
     a = analyze(path, extra=lambda p: [write_family_tables(p, seeds)])
-    write_table(path, FAMILY_WINDOWS, window_sensitivity(path))
+    write_table(path, FAMILY_WINDOWS, window_sensitivity(families))
     if families := R.registered(study_analysis(path), R.MAIN_VARIANTS):  # analysis.robustness
         R.only_seed_variant(families)
         table = R.leave_one_seed_out(

@@ -193,7 +193,7 @@ def test_the_window_sensitivity_re_judges_f1_and_f2_where_early_ends():
     study = Path(__file__).resolve().parents[2] / "docs" / "results" / "study-family-replication"
     if not (study / "runs").is_dir():
         pytest.skip("no committed family-replication records")
-    table = FS.window_sensitivity(study)
+    table = FS.window_sensitivity(FS.read_families(study))
     assert sorted(table["early_max_step"].unique()) == [300, 500, 1000, 2000, 3000]
     assert len(table) == 5 * 2 * 5  # F1 and F2 at 5 ends: the layer mean and 4 layers
     claims = pd.read_csv(study / "family_claims.csv")
