@@ -189,14 +189,10 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
     from qkgeom.families.config import load_pretrained
 
     pc = load_pretrained(args.config, overrides)
-    from transformers.utils import logging as hf_logging
-
     from qkgeom.analysis.families import family_tables
     from qkgeom.families.revisions import run_pretrained
     from qkgeom.report.family import write_family_report
 
-    hf_logging.disable_progress_bar()  # per-revision weight-loading bars drown the overall one
-    hf_logging.set_verbosity_error()
     slug = pc.model.strip("/").replace("/", "__")
     out = Path(args.out) if args.out else Path(args.runs) / "pretrained" / slug
     folders = run_pretrained(pc, out, args.executor, args.address, progress=not args.no_progress)

@@ -401,7 +401,8 @@ def text_tokens(
         raise PretrainedError(
             f"no tokenizer for {tokenizer or name!r} ({str(e).splitlines()[0]}); pass --tokenizer NAME_OR_FOLDER"
         ) from None
-    ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
+    with hf_quiet():  # its "longer than the maximum sequence length" warning is false here: the ids are cut up
+        ids = np.asarray(tok(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
     if len(ids) == 0 and text.strip():  # e.g. a model folder without tokenizer files loads an empty tokenizer
         raise PretrainedError(
             f"the tokenizer of {tokenizer or name!r} turns the text into 0 tokens (a folder without tokenizer "

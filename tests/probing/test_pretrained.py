@@ -284,14 +284,29 @@ def test_sequences_open_with_the_models_own_start_tokens(tmp_path):
     assert next(P.token_batches(np.arange(10, 40), 5, 2, 16))[0].tolist() == [10, 11, 12, 13, 14]  # stripped
 
 
+def test_tokenizing_running_text_warns_nothing(tmp_path, caplog):
+    """text_tokens tokenizes a whole text that is then cut into sequences: transformers' warning that it is
+    "longer than the specified maximum sequence length" (here 8) would be false, and is not printed."""
+    from transformers import AutoTokenizer
+
+    folder = _bos_tokenizer(tmp_path / "tok")
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.model_max_length = 8
+    tok.save_pretrained(folder)
+    caplog.clear()  # transformers' records reach pytest's log capture (its own handler's stream may not be fd 2)
+    ids, start = P.text_tokens(str(folder), "a b c " * 10)
+    assert len(ids) == 30 and start == (1,)
+    assert "maximum sequence length" not in caplog.text
+
+
 def test_loading_draws_no_bar_of_its_own(tmp_path, capfd):
     """A family loads one model per revision: transformers' per-load "Loading weights" bar would print 22
     bars under the caller's; the loader silences it and leaves the caller's setting as it found it."""
     from transformers.utils import logging as hf_logging
 
     AutoModelForCausalLM.from_config(CONFIGS["gpt2"]).save_pretrained(tmp_path / "g")
-    before = hf_logging.is_progress_bar_enabled()  # an earlier test in this process (`qkgeom pretrained`) may
-    hf_logging.enable_progress_bar()  # have turned the bars off for good: on here, as a user's would be
+    before = hf_logging.is_progress_bar_enabled()  # whatever an earlier test in this process left:
+    hf_logging.enable_progress_bar()  # on here, as a user's would be
     try:
         capfd.readouterr()
         P.load_model(str(tmp_path / "g"))
