@@ -144,19 +144,20 @@ def family_study_section(path: str | Path) -> list[str]:
         "across-heads rho of interaction rank with attention entropy at each revision; then 95% t-intervals "
         "over seeds. Per-seed values: <code>family_seeds.csv</code>; rows: <code>family_claims.csv</code>.</p>",
     ]
-    for name, fig, caption in (
+    figures = [
         ("family_seeds_contrast", fp.family_seeds_contrast(fam, early), "PR_Q - PR_K per layer over each seed's "
          "checkpoints; the early window shaded"),
         ("family_heads_link", fp.heads_link(fam, seeds, FS.HEADS_LINK, _per_step(claims)),
          "Interaction rank vs attention entropy "
          "across heads: per revision (left), and every head at three revisions"),
-        *(
-            [("family_windows", fp.family_windows(pd.read_csv(path / f"{FS.FAMILY_WINDOWS}.csv"), early),
-              "F1 and F2 re-judged with the early window ending at each step on the x axis (family_windows.csv; "
-              "exploratory, no pre-registration names these rows)")]
-            if (path / f"{FS.FAMILY_WINDOWS}.csv").is_file() else []
-        ),
-    ):  # fmt: skip
+    ]  # fmt: skip
+    if (windows := path / f"{FS.FAMILY_WINDOWS}.csv").is_file():  # written by `qkgeom analyze` since 3a30c2f
+        figures.append(
+            ("family_windows", fp.family_windows(pd.read_csv(windows), early),
+             "F1 and F2 re-judged with the early window ending at each step on the x axis (family_windows.csv; "
+             "exploratory, no pre-registration names these rows)")
+        )  # fmt: skip
+    for name, fig, caption in figures:
         png = png_bytes(fig)
         atomic_write_bytes(path / "report" / f"{name}.png", png)
         parts.append(figure_html(name, png, caption))
