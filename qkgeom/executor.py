@@ -139,6 +139,7 @@ def _run_pool(
     attempts = {job.key: 0 for job in jobs}
     markers_dir = tempfile.mkdtemp(prefix="qkgeom-jobs-")
     marker = {job.key: os.path.join(markers_dir, str(i)) for i, job in enumerate(jobs)}
+    order = {job.key: i for i, job in enumerate(jobs)}
     queue = list(jobs)
     main_thread = threading.current_thread() is threading.main_thread()  # signal handlers only there
     previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
@@ -165,7 +166,7 @@ def _run_pool(
             queue = []
             # as_completed hands the broken futures back in no set order: resubmit in the order given (longest
             # first in a sweep), or a job may run beside the next killer again and be charged twice
-            for job in sorted(lost, key=jobs.index):
+            for job in sorted(lost, key=lambda job: order[job.key]):
                 if os.path.exists(marker[job.key]):
                     attempts[job.key] += 1
                     os.remove(marker[job.key])
