@@ -189,10 +189,16 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
     from qkgeom.families.config import load_pretrained
 
     pc = load_pretrained(args.config, overrides)
+    from transformers.utils import logging as hf_logging
+
     from qkgeom.analysis.families import family_tables
     from qkgeom.families.revisions import run_pretrained
     from qkgeom.report.family import write_family_report
 
+    # the command's stderr is its own bars and one-line errors: transformers' notes on the user's config
+    # (read outside probing.hf.hf_quiet) would otherwise stand above a refusal's single line
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
     slug = pc.model.strip("/").replace("/", "__")
     out = Path(args.out) if args.out else Path(args.runs) / "pretrained" / slug
     folders = run_pretrained(pc, out, args.executor, args.address, progress=not args.no_progress)

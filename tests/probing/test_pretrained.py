@@ -305,8 +305,8 @@ def test_loading_draws_no_bar_of_its_own(tmp_path, capfd):
     from transformers.utils import logging as hf_logging
 
     AutoModelForCausalLM.from_config(CONFIGS["gpt2"]).save_pretrained(tmp_path / "g")
-    before = hf_logging.is_progress_bar_enabled()  # whatever an earlier test in this process left:
-    hf_logging.enable_progress_bar()  # on here, as a user's would be
+    before = hf_logging.is_progress_bar_enabled()  # an earlier test in this process (`qkgeom pretrained`) may
+    hf_logging.enable_progress_bar()  # have turned the bars off for good: on here, as a user's would be
     try:
         capfd.readouterr()
         P.load_model(str(tmp_path / "g"))
