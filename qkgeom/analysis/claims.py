@@ -55,12 +55,19 @@ def transient_ends(df: pd.DataFrame, tolerance: float = TRANSIENT_TOLERANCE) -> 
     )
 
 
+def run_values(df: pd.DataFrame, per_run: pd.Series) -> pd.Series:
+    """`per_run` (indexed by run_id) at each row of df: df["run_id"].map(per_run), looked up once per run.
+    (Series.map on pandas' arrow-backed strings converts row by row: 16 s of a causal study's 54 s analysis.)"""
+    codes, runs = pd.factorize(df["run_id"])
+    return pd.Series(per_run.reindex(runs).to_numpy()[codes], index=df.index)
+
+
 def with_transient(df: pd.DataFrame, tolerance: float = TRANSIENT_TOLERANCE) -> pd.DataFrame:
     """df with a `transient_end` column (per run); a no-op if it is there already."""
     if "transient_end" in df:
         return df
     ends = transient_ends(df, tolerance)
-    return df.assign(transient_end=df["run_id"].map(ends).fillna(0).astype(int))
+    return df.assign(transient_end=run_values(df, ends).fillna(0).astype(int))
 
 
 def window(df: pd.DataFrame, name: str) -> pd.DataFrame:

@@ -23,7 +23,7 @@ from qkgeom.analysis.arms import (
     TARGET,
     parse_arm,
 )
-from qkgeom.analysis.claims import layer_metric, transient_ends, window
+from qkgeom.analysis.claims import layer_metric, run_values, transient_ends, window
 from qkgeom.analysis.rows import claim_row, seed_row
 from qkgeom.arms import CHECK_MEDIATOR
 
@@ -39,7 +39,7 @@ def with_seed_window(df: pd.DataFrame) -> pd.DataFrame:
     runs = df[["run_id", "seed", "intervention"]].drop_duplicates("run_id").set_index("run_id")
     none_end = runs[runs["intervention"] == "none"].reset_index().set_index("seed")["run_id"].map(ends)
     start = runs["seed"].map(none_end).fillna(ends)
-    return df.assign(transient_end=df["run_id"].map(start).astype(int))
+    return df.assign(transient_end=run_values(df, start).astype(int))
 
 
 def seed_window_note(df: pd.DataFrame) -> str:

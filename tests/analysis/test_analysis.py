@@ -92,6 +92,18 @@ def test_main_claims_known_values():
     assert set(A.window(A.with_transient(df), "post-transient")["step"]) == set(STEPS)
 
 
+def test_run_values_looks_each_row_up_by_its_run():
+    """run_values is Series.map by run_id, looked up once per run: rows out of order, a run the Series
+    lacks (NaN), a Series whose order differs from the rows', and a non-default row index."""
+    df = pd.DataFrame({"run_id": ["b", "a", "c", "b", "a", "a"]}, index=[10, 3, 7, 1, 0, 5])
+    df["run_id"] = df["run_id"].astype("str")  # pandas' string dtype (arrow-backed with pyarrow), as loaded
+    per_run = pd.Series({"a": 2.0, "b": 5.0, "z": 9.0})
+    got = A.run_values(df, per_run)
+    assert got.index.tolist() == [10, 3, 7, 1, 0, 5]
+    assert got.tolist()[:2] == [5.0, 2.0] and np.isnan(got.iloc[2]) and got.tolist()[3:] == [5.0, 2.0, 2.0]
+    pd.testing.assert_series_equal(got, df["run_id"].map(per_run), check_names=False)
+
+
 def test_tracks_is_judged_on_co_movement_not_shared_trend():
     """Both rise over the run, but within each run one goes up when the other goes down, with a
     wiggle of the run's own (so the other seeds are its null): co-movement fails, the raw trend is +1."""
