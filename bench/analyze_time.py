@@ -7,7 +7,8 @@ about a third of its time there after the runs). This copies a committed study's
 them once in this process under cProfile, and prints:
 
 - the wall seconds of the whole analysis (cProfile's own overhead included: compare like with like);
-- the cumulative seconds of its stages: per-run statistics (slopes and within-run Spearman rhos of
+- the cumulative seconds of its stages: loading the runs' geometry, the causal tables' per-seed
+  windows (a causal study's), per-run statistics (slopes and within-run Spearman rhos of
   each (run, layer)), co-movement (first-difference Pearson r against the cross-seed null), the
   sensitivity and horizon tables (every claim re-judged from other window starts / fractions of the
   run), robustness variants, and every Spearman / Pearson call inside them;
@@ -36,6 +37,8 @@ from pathlib import Path
 RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 # (label, function name as cProfile reports it): cumulative seconds, calls
 STAGES = (
+    ("loading the runs (load_runs)", "load_runs"),
+    ("per-seed windows (with_seed_window)", "with_seed_window"),
     ("per-run statistics", "per_run_statistics"),
     ("co-movement (per seed)", "comovement_per_seed"),
     ("  of which comovement_excess", "comovement_excess"),
@@ -103,9 +106,9 @@ def main() -> None:
         same = {n: (copy / n).read_bytes() == (RESULTS / args.study / n).read_bytes() for n in written}
 
     print(f"qkgeom analyze on {args.study}'s {n_runs} records (under cProfile): {wall:.2f} s wall")
-    print(f"{'stage':<34} {'seconds':>8} {'share':>6} {'calls':>8}")
+    print(f"{'stage':<36} {'seconds':>8} {'share':>6} {'calls':>8}")
     for label, (secs, calls) in stage_seconds(profile).items():
-        print(f"{label:<34} {secs:8.2f} {secs / wall:6.1%} {calls:8d}")
+        print(f"{label:<36} {secs:8.2f} {secs / wall:6.1%} {calls:8d}")
     print("tables equal to the committed ones: " + ", ".join(f"{n} {'yes' if ok else 'NO'}" for n, ok in same.items()))
     if args.top:
         buf = io.StringIO()
