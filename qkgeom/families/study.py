@@ -319,8 +319,8 @@ def analyze_study(path: str | Path):
     seeds = seed_statistics(families)
     a = analyze(path, extra=lambda p: [write_family_tables(p, seeds)])
     write_table(path, FAMILY_WINDOWS, window_sensitivity(families))
-    if families := R.registered(study_analysis(path), R.MAIN_VARIANTS):  # analysis.robustness
-        R.only_seed_variant(families)
+    if variants := R.registered(study_analysis(path), R.MAIN_VARIANTS):  # analysis.robustness
+        R.only_seed_variant(variants)
         table = R.leave_one_seed_out(
             a.claims, sorted(seeds["seed"].unique()), lambda s: family_claims(seeds[seeds["seed"] != s])
         )
