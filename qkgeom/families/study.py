@@ -278,9 +278,13 @@ def window_sensitivity(families: list[Family], factors: tuple[float, ...] = WIND
     family_claims judges them, with the early window ending at each of `factors` times the end the
     families were analysed with: does claim 4's reading hang on where "early" ends? Exploratory: no
     pre-registration names these rows."""
-    analysed_end = early_max_step_of(families[0].analysis) if families else 0
+    cols = ["early_max_step", "claim", "group", "value", "ci_low", "ci_high", "n", "seeds_agreeing", "p_value",
+            "p_sign_flip", "verdict", "mde_80"]  # fmt: skip
+    if not families or not factors:
+        return pd.DataFrame(columns=cols)
+    analysed_end = early_max_step_of(families[0].analysis)
     frames = []
-    for split in [round(factor * analysed_end) for factor in factors] if families else []:
+    for split in (round(factor * analysed_end) for factor in factors):
         seeds = pd.concat(
             [contrast_trends(f.geometry, split).assign(seed=f.seed, early_max_step=split) for f in families],
             ignore_index=True,
@@ -288,9 +292,7 @@ def window_sensitivity(families: list[Family], factors: tuple[float, ...] = WIND
         c = family_claims(seeds)
         c = c[((c["claim_id"] == CLAIM_IDS[F1]) & (c["window"] == "early")) | (c["claim_id"] == CLAIM_IDS[F2])]
         frames.append(c.assign(early_max_step=split, claim=np.where(c["window"] == "early", "F1", "F2")))
-    cols = ["early_max_step", "claim", "group", "value", "ci_low", "ci_high", "n", "seeds_agreeing", "p_value",
-            "p_sign_flip", "verdict", "mde_80"]  # fmt: skip
-    return pd.concat(frames, ignore_index=True)[cols] if frames else pd.DataFrame(columns=cols)
+    return pd.concat(frames, ignore_index=True)[cols]
 
 
 def write_family_tables(path: str | Path, seeds: pd.DataFrame) -> pd.DataFrame:
