@@ -1,5 +1,6 @@
 """What each `qkgeom` command does: one library call and what it prints (cli.py turns argv into the
-Namespace these read). Heavy imports stay inside each command, so `qkgeom --help` starts fast."""
+Namespace these read). Heavy imports stay inside each command, so `qkgeom --help` starts fast, and the
+reading commands (analyze, report, verdicts) and a refused config import no torch (tests/e2e/test_cli.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from qkgeom.studies import records_dir, sweep_study
 
 def cmd_train(args: argparse.Namespace) -> int:
     """`qkgeom train`: one run (or its resume) into a run folder."""
+    cfg = C.load(args.config, args.overrides)  # a bad config is refused before torch is imported
     from qkgeom.training.loop import train
 
-    cfg = C.load(args.config, args.overrides)
     out = Path(args.out) if args.out else Path(args.runs) / "train" / C.run_id(cfg)
     rd = train(cfg, out, resume=args.resume, progress=not args.no_progress, tensorboard=args.tensorboard)
     print(f"run complete: {rd.path}")

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
 
 from qkgeom.config import REPO_ROOT
 from qkgeom.device import PORTABLE_ENV
@@ -39,6 +38,8 @@ def cpu() -> dict[str, Any]:
     """The CPU a result was made on: model and vendor, the features its kernels are chosen by (Linux:
     /proc/cpuinfo; elsewhere the model from platform.processor() only), and the vector width torch's own
     kernels run at on it (torch.backends.cpu.get_cpu_capability())."""
+    import torch  # here, not at the top: the analysis commands import this module and need no torch
+
     info: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -77,6 +78,8 @@ def git_state(root: Path) -> tuple[str | None, bool]:
 def provenance() -> dict[str, Any]:
     """Where and with what a result was made: git sha, package versions, machine (the CPU, and the
     vector width torch's own kernels run at on it)."""
+    import torch
+
     sha, dirty = git_state(REPO_ROOT)
     return {
         "git_sha": sha,

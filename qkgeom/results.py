@@ -31,7 +31,6 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from qkgeom.errors import QKGeomError
 
@@ -378,6 +377,8 @@ class RunDir:
                 f"{self.checkpoints} is a link to {os.readlink(self.checkpoints)}: a run writes its checkpoints "
                 "inside its own folder; remove the link"
             )
+        import torch  # imported where checkpoints are touched: the reading commands need no torch
+
         buf = io.BytesIO()
         torch.save(state, buf)
         path = self.checkpoints / name
@@ -386,6 +387,8 @@ class RunDir:
 
     def load_checkpoint(self, name: str = LAST_CHECKPOINT) -> dict[str, Any]:
         """Load with torch's weights-only unpickler (no arbitrary code); errors name the file."""
+        import torch
+
         path = self.checkpoints / name
         if not path.is_file():
             raise CheckpointError(f"no checkpoint at {path}")

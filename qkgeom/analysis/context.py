@@ -14,13 +14,11 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
-import torch
 
 from qkgeom import config as C
 from qkgeom.results import RunDir, read_json
 from qkgeom.training.data import DataError, Vocab, load_corpus
 from qkgeom.training.data import unigram_baseline as data_unigram_baseline
-from qkgeom.training.model import GPT
 
 
 @lru_cache(maxsize=8)
@@ -39,6 +37,10 @@ def n_parameters(model_cfg: dict, vocab_size: int) -> int:
 
 @lru_cache(maxsize=64)
 def _n_parameters(model_json: str, vocab_size: int) -> int:  # a study's runs share a few shapes
+    import torch  # only for runs recorded before done.json kept the count: analysis needs no torch
+
+    from qkgeom.training.model import GPT
+
     with torch.device("meta"):
         model = GPT(C.from_dict({"model": json.loads(model_json)}).model, vocab_size)
     return sum(p.numel() for p in model.parameters())

@@ -61,6 +61,26 @@ def test_bad_input_is_one_line_unless_debugging(tmp_path, debug, traceback):
         assert r.stderr.count("\n") == 1
 
 
+def test_a_refused_config_and_the_reading_commands_never_import_torch(tmp_path):
+    """Importing torch takes 1.6 s of a 2-4 s command. A config `qkgeom train` refuses, `qkgeom report` (the
+    analysis and the figures) and `qkgeom verdicts` on a committed study need none of it (torch comes in only
+    to count the parameters of runs recorded before done.json kept that count). Checked structurally, not
+    timed: in one process, every command done, torch must not be in sys.modules."""
+    import shutil
+
+    study = tmp_path / "results" / "study-trainer-gpt2"
+    shutil.copytree(REPO / "docs" / "results" / study.name, study)
+    code = (
+        "import sys; from qkgeom.cli import main; "
+        "rcs = [main(['train', 'tiny', '--set', 'model.dropout=0.1']), main(['report', sys.argv[1]]), "
+        "main(['verdicts', sys.argv[2]])]; print(rcs, 'torch' in sys.modules)"
+    )
+    r = subprocess.run([sys.executable, "-c", code, str(study), str(study.parent)], capture_output=True, text=True)
+    assert r.stdout.splitlines()[-1] == "[2, 0, 0] False", r.stdout[-2000:] + r.stderr[-2000:]
+    assert "unknown config key 'model.dropout'" in r.stderr
+    assert (study / "report" / "index.html").is_file() and (study.parent / "VERDICTS.md").is_file()
+
+
 def test_train_ends_with_where_it_got_and_what_to_run_next(tmp_path, wikitext):
     """`qkgeom train` ended with the folder only. Now: the final validation loss against the unigram
     baseline (both written into done.json, with tokens and parameters) and the next command."""
