@@ -240,9 +240,17 @@ def arch_of(model: nn.Module) -> Arch:
 
 
 def check_model_type(name: str, revision: str | None = None) -> None:
-    """Refuse an unsupported local model at once (reads config.json only; hub names are checked
-    after download by arch_of)."""
+    """Refuse at once an unsupported local model (reads config.json only; hub names are checked after
+    download by arch_of), and a path that names nothing and cannot be a hub name (was the hub's error
+    after seconds of imports: "Repo id must be in the form ...")."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id  # light: no torch, no transformers
+
     p = Path(name)
+    if not p.exists():
+        try:
+            validate_repo_id(name)
+        except HFValidationError:
+            raise PretrainedError(f"no model folder at {name} (and it is no hub name: 'name' or 'org/name')") from None
     folder = p / revision if revision and (p / revision / "config.json").is_file() else p
     if (folder / "config.json").is_file():
         try:

@@ -496,6 +496,7 @@ ZOO = [
     (["train", "tiny", "--set", "data.source={latin1}"], "train.txt is not UTF-8 text"),
     # these printed a traceback and "this is a bug in qkgeom" (exit 1)
     (["pretrained", "{empty}"], "has no config.json: not a Hugging Face model folder"),
+    (["pretrained", "{tmp}/no/such/model"], "no model folder at"),  # was the hub's "Repo id must be in the form"
     (["pretrained", "{done}"], "is a `qkgeom train` run, not a Hugging Face model: export it first"),
     (["pretrained", "{badcfg}"], "cannot load"),
     (["export", "{garbled}", "--out", "{tmp}/hf"], "config.json is not valid JSON"),

@@ -239,24 +239,41 @@ def test_bad_input(tmp_path):
         next(P.token_batches(np.arange(10_000), 64, 2, 100))  # the text is ample: blame --n-tokens
     with pytest.raises(P.PretrainedError, match="--n-tokens 100 is less than one batch"):
         next(P.token_batches(np.arange(80), 64, 2, 100))  # text read only as far as n_tokens needs: still --n-tokens
-    with pytest.raises(P.PretrainedError, match="cannot load"):
-        P.load_model(str(tmp_path / "missing-model-folder"))
+    with pytest.raises(P.PretrainedError, match="no model folder at .*missing-model-folder"):
+        P.load_model(str(tmp_path / "missing-model-folder"))  # a path, so no hub name: refused before the hub
 
 
-def test_unsupported_local_model_is_refused_before_torch_is_imported(tmp_path):
+@pytest.mark.parametrize(
+    "folder, message",
+    [("t5", "supported: bert"), ("no/such/model", "no model folder at")],  # the second: a path naming nothing
+)
+def test_unsupported_or_missing_local_model_is_refused_before_torch_is_imported(tmp_path, folder, message):
     # the refusal must not wait for torch / transformers (seconds): checked structurally, not timed
     import subprocess
     import sys
 
-    (tmp_path / "t5").mkdir()
-    (tmp_path / "t5" / "config.json").write_text('{"model_type": "t5"}')
+    if folder == "t5":
+        (tmp_path / "t5").mkdir()
+        (tmp_path / "t5" / "config.json").write_text('{"model_type": "t5"}')
     code = (
         "import sys; from qkgeom.cli import main; rc = main(['pretrained', sys.argv[1]]); "
         "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'heavy import'; sys.exit(rc)"
     )
-    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "t5")], capture_output=True, text=True)
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "supported: bert" in r.stderr, r.stderr
-    assert "qkgeom/probing/archs.py" in r.stderr
+    r = subprocess.run([sys.executable, "-c", code, str(tmp_path / folder)], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and message in r.stderr, r.stderr
+    assert folder != "t5" or "qkgeom/probing/archs.py" in r.stderr
+
+
+def test_a_hub_shaped_name_is_left_to_the_hub():
+    """Only a name that cannot be a repo id is refused locally; 'name' and 'org/name' go to the hub (none
+    of these exists on disk here)."""
+    from qkgeom.probing.archs import check_model_type
+
+    for name in ("gpt2", "EleutherAI/pythia-70m", "HuggingFaceTB/SmolLM2-135M", "org/name.v1"):
+        check_model_type(name)
+    for name in ("/no/such/model", "./nosuch", "runs/hf/mine", "x/", "a--b/c d"):
+        with pytest.raises(P.PretrainedError, match="no model folder at"):
+            check_model_type(name)
 
 
 def _bos_tokenizer(folder):
