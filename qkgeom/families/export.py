@@ -54,14 +54,14 @@ def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
     Our GPT is GPT-2's architecture without biases: fused c_attn = [W_Q | W_K | W_V] (D, 3D),
     exact GELU, LayerNorm eps 1e-5, tied embeddings; biases are written as zeros.
     """
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     rd = RunDir(run_dir)
     if not rd.config.is_file():
         raise DamagedRunError(f"{rd.path} is not a qkgeom run folder (no config.json)")
     cfg = read_json(rd.config)
     if "model" not in cfg.get("config", {}) or "vocab_size" not in cfg or not rd.vocab.is_file():
         raise DamagedRunError(f"{rd.path} is not a finished `qkgeom train` run (its config.json or vocab.json)")
+    from transformers import GPT2Config, GPT2LMHeadModel  # after the checks: seconds to import
+
     m = cfg["config"]["model"]
     vocab = rd.vocab.read_text()
     out = Path(out)
