@@ -328,7 +328,7 @@ def step_rows(label: str, cfg: C.RunConfig, compiled: bool, nanogpt_dir: Path | 
         sides["ours, one QKV matmul"] = ours(cfg, False, fused_qkv=True)[1]
     if nanogpt_dir is not None:
         sides["nanoGPT"] = nanogpt(nanogpt_dir, cfg, compiled)[1]
-    rates = step_rates(cfg, sides, 5 if quick else 30)
+    rates = step_rates(cfg, sides, 5 if quick else 30, rounds=1 if quick else 3)  # quick checks the code
     mine, theirs = rates["ours"], rates.get("nanoGPT")
     if theirs:
         text = f"{mine:,.0f} vs nanoGPT {theirs:,.0f} tokens/s ({mine / theirs:.2f}x)"
