@@ -229,7 +229,13 @@ def mde(values: np.ndarray, power: float = 0.8, level: float = 0.95) -> float:
     n = len(v)
     if n < 2:
         return math.nan
-    sd = float(v.std(ddof=1))
+    return _mde_in_sd(n, power, level) * float(v.std(ddof=1))
+
+
+@functools.lru_cache(maxsize=256)
+def _mde_in_sd(n: int, power: float, level: float) -> float:
+    """mde() in units of the SD: a function of n alone at a given power and level, so an analysis that
+    judges a thousand rows at a few n solves it a few times (a root of the noncentral t's power)."""
     crit = S.t.ppf((1 + level) / 2, n - 1)
 
     def shortfall(delta: float) -> float:
@@ -237,8 +243,7 @@ def mde(values: np.ndarray, power: float = 0.8, level: float = 0.95) -> float:
         lower = np.nan_to_num(S.nct.cdf(-crit, n - 1, nc))  # the far tail (< 1 - level); NaN at large nc
         return float(S.nct.sf(crit, n - 1, nc) + lower) - power
 
-    delta = optimize.brentq(shortfall, 0.0, 4 * (crit + 1) / math.sqrt(n))  # power(upper) ~ 1
-    return delta * sd
+    return optimize.brentq(shortfall, 0.0, 4 * (crit + 1) / math.sqrt(n))  # power(upper) ~ 1
 
 
 def fieller_ratio_ci(num: np.ndarray, den: np.ndarray, level: float = 0.95) -> tuple[float, float, float]:

@@ -99,6 +99,11 @@ def test_mde_has_its_power_by_simulation_and_the_normal_limit():
     big = (big - big.mean()) / big.std(ddof=1)
     assert stats.mde(big) == pytest.approx((1.959964 + 0.841621) / np.sqrt(2000), rel=2e-3)  # z_.975 + z_.8
     assert np.isnan(stats.mde([1.0]))
+    # solved once per (n, power, level), then scaled by each sample's SD: the cache keys on all three
+    assert stats.mde(3 * v) == pytest.approx(3 * d, rel=1e-12)
+    assert stats.mde(v, power=0.9) > d and stats.mde(v, level=0.99) > d
+    v8 = (v[:8] - v[:8].mean()) / v[:8].std(ddof=1)
+    assert stats.mde(v8) > d  # sd 1 again, n 8: its own root, not the cached one of n = 16
 
 
 def test_fieller_interval_reduces_to_t_interval_and_opens_on_a_weak_denominator():
