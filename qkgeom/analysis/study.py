@@ -13,12 +13,13 @@ line prints. Nothing here draws: report.study renders these tables (measure < ju
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
+from tqdm import tqdm
 
 from qkgeom.analysis import causal, dose, layers, matched
 from qkgeom.analysis import claims as A
@@ -36,6 +37,8 @@ FAMILY_HEADLINE = {
     ("family:heads_link", "all heads", "revisions after step 0"),
 }
 INTERIM_CHECKS = "interim_checks"  # a blind study's table: its checks, without any outcome row
+# what analyze is doing, on one status line of a terminal's stderr (a causal study's analysis takes ~20 s)
+STAGES = ("loading the runs", "claims", "robustness variants", "per-layer tables", "what the report shows")
 
 
 @dataclass
@@ -74,7 +77,15 @@ class Analysis:
 def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None = None) -> Analysis:
     """Load every finished run under `path`, compute trajectories and claims, write the tables.
     extra: claims parts a higher wing adds (families.study.analyze_study: a family study's trends)."""
-    path = Path(path)
+    # a terminal's stderr shows the stage (STAGES); the line is cleared on return and on an error
+    with tqdm(total=len(STAGES), bar_format="analyze: {desc} [{elapsed}]", disable=None, leave=False) as bar:
+        return _analyze(Path(path), extra, bar)
+
+
+def _analyze(path: Path, extra: Callable[[Path], list[pd.DataFrame]] | None, bar: tqdm) -> Analysis:
+    """analyze, stage by stage."""
+    stage = iter(f"{i}/{len(STAGES)} {what}" for i, what in enumerate(STAGES, 1))
+    bar.set_description_str(next(stage))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", A.RunWarning)
         geometry, metrics = A.load_runs(path), A.load_metrics(path)
@@ -82,6 +93,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     geometry = A.with_transient(geometry)
     traj = A.trajectories(geometry)
     base = geometry[geometry["intervention"] == "none"]
+    _next(bar, stage)
     claims, tables = _claim_parts(path, geometry, metrics, extra)
     sens = tables.get("sensitivity", pd.DataFrame(columns=A.CLAIM_COLUMNS))
     pre = study_analysis(path)
@@ -90,6 +102,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     claims = A.numeric_columns(P.adjust_primary(claims, pre.get("primary", []), strict=not blind))
     judged = verdict_rows(claims)
     tables["verdicts"] = verdicts(judged, select=False)
+    _next(bar, stage)
     if (families := R.registered(pre, R.MAIN_VARIANTS)) and not blind and extra is None:  # analysis.robustness
         tables[R.TABLE] = _variants(path, geometry, metrics, claims, float(pre.get("margin", np.nan)), families)
     if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
@@ -97,6 +110,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
     written = {"summary": traj, "claims": claims, **tables}
     if blind:  # no claims.csv or verdicts.csv until the registered n is in: the checks go to their own table
         written = {"summary": traj, INTERIM_CHECKS: claims}
+    _next(bar, stage)
     post = A.window(base if len(base) else geometry, "post-transient")
     per_run = A.per_run_statistics(post)
     by_layer = pd.concat([layers.slope_layer_rows(post, per_run, claims, float(pre.get("margin", np.nan))),
@@ -105,6 +119,7 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
         written[layers.TABLE] = by_layer
     for name, df in written.items():
         write_table(path, name, df, parquet=True)
+    _next(bar, stage)
     extra_tables = shown(path, geometry, per_run)  # what the report shows besides the claims
     for name in ("energy_ranks", "lifecycle_depth"):
         if (df := getattr(extra_tables, name)) is not None and len(df):
@@ -118,6 +133,12 @@ def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None
         matched_dose=tables.get("matched_dose"), blind=blind, shown=extra_tables,
         verdict_table=tables["verdicts"], judged=judged, headline=causal.headline(claims),
     )  # fmt: skip
+
+
+def _next(bar: tqdm, stage: Iterator[str]) -> None:
+    """The status line moves on to the next of STAGES."""
+    bar.update(1)
+    bar.set_description_str(next(stage))
 
 
 def _claim_parts(

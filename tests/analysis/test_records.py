@@ -1,6 +1,7 @@
 """records: a committed study's per-run records re-derive its verdicts byte for byte, and a record
 analyses like the run folder it came from."""
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -412,3 +413,39 @@ def test_leave_one_seed_out_rejudges_each_primary_on_the_other_seeds():
     np.testing.assert_allclose(o1, np.sort([np.delete(per_seed, i).mean() for i in range(16)]), rtol=1e-9)
     with pytest.raises(AnalysisError, match="applies to slope primaries"):
         R.only_seed_variant(["leave one seed out", "axis: log step"])
+
+
+class _Terminal(io.StringIO):
+    """A stderr that says it is a terminal (tqdm's disable=None shows bars only on one)."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_analyze_says_where_it_is_on_a_terminal_and_nothing_elsewhere(tmp_path, capsys, monkeypatch):
+    """A causal study's analysis is ~20 s of silence without it: on a terminal's stderr `qkgeom analyze`
+    keeps one status line (its stage of STAGES, elapsed time) and a bar over the leave-one-seed-out
+    rebuilds; written to a file or a pipe (here pytest's capture) stderr stays empty."""
+    from qkgeom.analysis import robustness as R
+    from qkgeom.analysis.study import STAGES
+
+    committed = RESULTS / "study-trainer-gpt2"
+    for run in (1, 2):
+        copy = tmp_path / f"{run}" / committed.name
+        shutil.copytree(committed / "runs", copy / "runs")
+        shutil.copy(committed / "preregistration.toml", copy / "preregistration.toml")
+        shutil.copy(committed / "preregistration_versions.json", copy / "preregistration_versions.json")
+    assert main(["analyze", str(tmp_path / "1" / committed.name)]) == 0
+    assert capsys.readouterr().err == ""  # not a terminal: no bar
+    terminal = _Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    assert main(["analyze", str(tmp_path / "2" / committed.name)]) == 0
+    shown = terminal.getvalue()
+    for i, stage in enumerate(STAGES, 1):
+        assert f"analyze: {i}/{len(STAGES)} {stage} [00:" in shown
+    claims = pd.DataFrame({"primary": ["X1"], "claim_id": ["c"], "group": ["all"], "window": ["w"], "value": [1.0],
+                           "ci_low": [0.5], "ci_high": [1.5], "n": [3], "p_value": [0.01], "p_sign_flip": [0.25],
+                           "verdict": ["holds"]})  # fmt: skip
+    table = R.leave_one_seed_out(claims, [4, 5, 6], lambda seed: claims)
+    assert list(table["variant"]) == ["leave out seed 4", "leave out seed 5", "leave out seed 6"]
+    assert "leave one seed out:   0%|" in terminal.getvalue() and "| 0/3 [" in terminal.getvalue()
