@@ -164,13 +164,12 @@ def analyse_family(
     local_progress = progress and len(revisions) == 1 and executor == "local"
     jobs = [Job(rev or "main", (pc, rev, out, tokens_fn, local_progress)) for rev in revisions]
     desc = label or Path(pc.model).name
-    bar = tqdm(total=len(revisions), desc=desc, unit="rev", disable=not progress or len(revisions) == 1)
     folders = []
-    for _, folder in run_jobs(analyse_revision, jobs, executor, workers=1, threads=1, address=address):
-        folders.append(folder)
-        bar.update(1)
-    bar.close()
-    return folders
+    with tqdm(total=len(revisions), desc=desc, unit="rev", disable=not progress or len(revisions) == 1) as bar:
+        for _, folder in run_jobs(analyse_revision, jobs, executor, workers=1, threads=1, address=address):
+            folders.append(folder)
+            bar.update(1)
+    return folders  # the bar is closed on an error too: the error's line starts a line of its own
 
 
 def local_revisions(root: Path) -> list[str]:

@@ -169,21 +169,21 @@ def _train(cfg: C.RunConfig, rd: RunDir, resume: bool, progress: bool, tb: Tenso
     bar = tqdm(
         total=t.steps, initial=run.start, disable=not progress, desc=rd.path.name, unit="step", dynamic_ncols=True
     )
-    step = run.start
-    while True:
-        if step > run.start or not run.resumed:  # records at `start` of a resumed run already exist
-            if step in run.schedule:
-                run.probe(step)
-            if step % t.eval_every == 0 or step == t.steps:
-                run.evaluate(step)
-            run.checkpoint(step)
-        if step == t.steps:
-            break
-        loss = run.train_step(step)
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{run.tokens_per_step * (step - run.start) / run.segment():.0f}")
-    bar.close()
+    with bar:  # closed on an error too: the error's line starts a line of its own
+        step = run.start
+        while True:
+            if step > run.start or not run.resumed:  # records at `start` of a resumed run already exist
+                if step in run.schedule:
+                    run.probe(step)
+                if step % t.eval_every == 0 or step == t.steps:
+                    run.evaluate(step)
+                run.checkpoint(step)
+            if step == t.steps:
+                break
+            loss = run.train_step(step)
+            step += 1
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{run.tokens_per_step * (step - run.start) / run.segment():.0f}")
     run.finish()
     return rd
 

@@ -215,13 +215,15 @@ def _run_sweep(spec, runs, out, workers, progress, executor, address, gpus_per_r
     tic = time.perf_counter()
     bar = CostBar(runs, result.skipped, spec.name, progress, out)
     statuses = []
-    for chunk in _chunks(spec.order, todo, workers):
-        # baselines first: a run relative to its `none` run reads that run's finished probes
-        first = [r for r in chunk if not r.config.intervention.baseline]
-        then = [r for r in chunk if r.config.intervention.baseline]
-        statuses += execute(first, out, workers, threads, executor, address, bar, gpus_per_run, on_done)
-        statuses += execute(then, out, workers, threads, executor, address, bar, gpus_per_run, on_done)
-    bar.close()
+    try:  # closed on an interrupt or error too, so that the error's line starts a line of its own
+        for chunk in _chunks(spec.order, todo, workers):
+            # baselines first: a run relative to its `none` run reads that run's finished probes
+            first = [r for r in chunk if not r.config.intervention.baseline]
+            then = [r for r in chunk if r.config.intervention.baseline]
+            statuses += execute(first, out, workers, threads, executor, address, bar, gpus_per_run, on_done)
+            statuses += execute(then, out, workers, threads, executor, address, bar, gpus_per_run, on_done)
+    finally:
+        bar.close()
     for s in statuses:
         if s["status"] == "done":
             result.done.append(s["run_id"])

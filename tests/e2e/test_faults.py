@@ -628,6 +628,26 @@ def test_bad_input_zoo(reference, tmp_path, args, message):
     assert not any((tmp_path / "empty").iterdir()), "a refused command wrote into a folder it was given"
 
 
+@pytest.mark.parametrize("what", ["train", "family"])
+def test_an_error_under_a_progress_bar_starts_a_line_of_its_own(what, tmp_path):
+    """With its bar on, a run that diverges (or a checkpoint family whose first revision cannot be read)
+    printed its one-line error glued to the end of the bar's last frame, and the bar drew itself again
+    after it: on a terminal the error was overwritten. Every bar is closed before the error is printed.
+    (Lines are split at carriage returns too: a bar's frames are lines here.)"""
+    if what == "train":
+        r = cli("train", "tiny", "--set", "train.lr=1e6", "--set", "train.steps=10", "--out", str(tmp_path / "r"))
+        says = "qkgeom train: error: training diverged by step"
+    else:
+        for rev in ("step_1", "step_2"):  # an export's layout; a config.json transformers rejects
+            (tmp_path / "revs" / rev).mkdir(parents=True)
+            (tmp_path / "revs" / rev / "config.json").write_text('{"model_type": "gpt2", "n_layer": "x"}')
+        r = cli("pretrained", str(tmp_path / "revs"), "--all-revisions", "--out", str(tmp_path / "out"))
+        says = "qkgeom pretrained: error: cannot load"
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and "%|" in r.stderr and lines[-1].startswith(says), r.stderr
+    assert sum(says in line for line in lines) == 1
+
+
 def test_out_of_memory_reads_as_a_setting_to_lower_not_a_bug():
     """A run too large for the machine printed a traceback and "this is a bug in qkgeom" (exit 1); on a GPU,
     where a batch too large is the commonest failure, torch raises OutOfMemoryError with this text."""
