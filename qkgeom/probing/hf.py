@@ -165,8 +165,17 @@ def resolve_revision(name: str, revision: str | None) -> tuple[str, str | None]:
     raise PretrainedError(f"revision {revision!r} does not exist in {p} (available: {', '.join(avail) or 'none'})")
 
 
-def _load_error(name: str, revision: str | None, e: OSError) -> PretrainedError:
+def _load_error(name: str, revision: str | None, e: Exception) -> PretrainedError:
+    """One line: transformers' first line, and what to do where the hub was out of reach."""
+    from huggingface_hub import constants
+
     first = str(e).strip().splitlines()[0]
+    if "couldn't connect" in first:  # transformers' words when the hub is out of reach and no cache has the files
+        first = first.rstrip(".") + (
+            " (HF_HUB_OFFLINE is set: download it where the hub is reachable, into the same HF_HOME, or give a folder)"
+            if constants.HF_HUB_OFFLINE
+            else " (no network? HF_HUB_OFFLINE=1 reads the Hugging Face cache at once, without the hub's retries)"
+        )
     return PretrainedError(f"cannot load {name!r} at revision {revision or 'main'}: {first}")
 
 

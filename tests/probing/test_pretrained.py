@@ -276,6 +276,31 @@ def test_a_hub_shaped_name_is_left_to_the_hub():
             check_model_type(name)
 
 
+def test_a_hub_out_of_reach_says_what_to_do(tmp_path, monkeypatch):
+    """Offline, a hub name not in the cache ended in transformers' "couldn't connect" line, after 31 s of
+    the hub's retries where HF_HUB_OFFLINE was unset: the line now says what to do in each case. Run for
+    real with HF_HUB_OFFLINE=1 and an empty HF_HOME (no network touched); the same transformers line read
+    without the setting names it."""
+    import os
+    import subprocess
+    import sys
+
+    env = os.environ | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    r = subprocess.run([sys.executable, "-m", "qkgeom.cli", "pretrained", "gpt2", "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, env=env)  # fmt: skip
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "couldn't connect" in r.stderr and "(HF_HUB_OFFLINE is set: download it where" in r.stderr
+    first = r.stderr.split("revision main: ", 1)[1].split(" (HF_HUB_OFFLINE", 1)[0]  # transformers' own words
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    line = str(P._load_error("gpt2", None, OSError(first + ".\nCheck your connection")))
+    assert line.endswith(
+        "(no network? HF_HUB_OFFLINE=1 reads the Hugging Face cache at once, without the hub's retries)"
+    )
+    assert str(P._load_error("gpt2", None, OSError("gpt2 is not a valid model."))).endswith("not a valid model.")
+
+
 def _bos_tokenizer(folder):
     """A real fast tokenizer saved locally that opens every sequence with <s>, as Llama-family ones do."""
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
