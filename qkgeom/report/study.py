@@ -15,6 +15,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
+from tqdm import tqdm
 
 from qkgeom.analysis.context import context_sentence
 from qkgeom.analysis.rows import PARAMETRIC_ONLY, per_seed_values
@@ -80,7 +81,8 @@ def figures(a: Analysis) -> dict[str, tuple[str, bytes]]:
     """name -> (caption, PNG bytes): the verdicts' seeds, the arms' figures, the none runs', then the
     spectral ones."""
     figs = _verdict_figure(a) | _intervention_figures(a) | _baseline_figures(a) | _spectral_figures(a)
-    return {k: (cap, png_bytes(fig)) for k, (cap, fig) in figs.items()}
+    drawn = tqdm(figs.items(), desc="report: drawing", unit="figure", disable=None, leave=False)  # a terminal's
+    return {k: (cap, png_bytes(fig)) for k, (cap, fig) in drawn}
 
 
 def _verdict_figure(a: Analysis) -> dict[str, tuple[str, object]]:

@@ -425,7 +425,8 @@ class _Terminal(io.StringIO):
 def test_analyze_says_where_it_is_on_a_terminal_and_nothing_elsewhere(tmp_path, capsys, monkeypatch):
     """A causal study's analysis is ~20 s of silence without it: on a terminal's stderr `qkgeom analyze`
     keeps one status line (its stage of STAGES, elapsed time) and a bar over the leave-one-seed-out
-    rebuilds; written to a file or a pipe (here pytest's capture) stderr stays empty."""
+    rebuilds, and `qkgeom report` one over the figures it draws; written to a file or a pipe (here
+    pytest's capture) stderr stays empty."""
     from qkgeom.analysis import robustness as R
     from qkgeom.analysis.study import STAGES
 
@@ -439,10 +440,11 @@ def test_analyze_says_where_it_is_on_a_terminal_and_nothing_elsewhere(tmp_path, 
     assert capsys.readouterr().err == ""  # not a terminal: no bar
     terminal = _Terminal()
     monkeypatch.setattr("sys.stderr", terminal)
-    assert main(["analyze", str(tmp_path / "2" / committed.name)]) == 0
+    assert main(["report", str(tmp_path / "2" / committed.name)]) == 0  # analyze, then the figures
     shown = terminal.getvalue()
     for i, stage in enumerate(STAGES, 1):
         assert f"analyze: {i}/{len(STAGES)} {stage} [00:" in shown
+    assert "report: drawing:   0%|" in shown
     claims = pd.DataFrame({"primary": ["X1"], "claim_id": ["c"], "group": ["all"], "window": ["w"], "value": [1.0],
                            "ci_low": [0.5], "ci_high": [1.5], "n": [3], "p_value": [0.01], "p_sign_flip": [0.25],
                            "verdict": ["holds"]})  # fmt: skip
