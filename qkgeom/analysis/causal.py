@@ -172,17 +172,22 @@ def _loss_matched(df: pd.DataFrame, metrics: pd.DataFrame, arm: str) -> pd.Serie
         a_ent, a_loss = ent.loc[(arm, seed)], val.loc[(arm, seed)]
         n_ent, n_loss = ent.loc[("none", seed)], val.loc[("none", seed)]
         n_loss = n_loss[n_loss.index >= start]
-        steps = a_ent.index[(a_ent.index >= start) & (a_ent.index <= a_loss.index.max())]
+        keep = (a_ent.index >= start) & (a_ent.index <= a_loss.index.max())
+        # plain arrays from here: the same scalar operations, without a pandas lookup per probe step
+        steps, a_vals = a_ent.index.to_numpy()[keep], a_ent.to_numpy()[keep]
+        a_steps, a_losses = a_loss.index.to_numpy(), a_loss.to_numpy()
+        n_steps, n_losses = n_loss.index.to_numpy(), n_loss.to_numpy()
+        e_steps, e_vals = n_ent.index.to_numpy(), n_ent.to_numpy()
         diffs = []
-        for s in steps:
-            loss = np.interp(s, a_loss.index, a_loss.to_numpy())
-            below = np.nonzero(n_loss.to_numpy() <= loss)[0]
+        for s, a_value in zip(steps, a_vals, strict=True):
+            loss = np.interp(s, a_steps, a_losses)
+            below = np.nonzero(n_losses <= loss)[0]
             if len(below) == 0 or below[0] == 0:  # never reached, or already passed before the window
                 continue
             i = below[0]
-            (s0, s1), (l0, l1) = n_loss.index[i - 1 : i + 1], n_loss.to_numpy()[i - 1 : i + 1]
+            (s0, s1), (l0, l1) = n_steps[i - 1 : i + 1], n_losses[i - 1 : i + 1]
             s_star = s0 + (l0 - loss) / (l0 - l1) * (s1 - s0)
-            diffs.append(a_ent.loc[s] - np.interp(s_star, n_ent.index, n_ent.to_numpy()))
+            diffs.append(a_value - np.interp(s_star, e_steps, e_vals))
         if diffs:
             out[seed] = float(np.mean(diffs))
     return pd.Series(out, dtype=float)
@@ -194,8 +199,10 @@ def _loss_matched_rows(df: pd.DataFrame, metrics: pd.DataFrame, note: str) -> li
     what = f"{MATCHED_ARM} - none at matched validation loss: attention entropy (nats)"
     cid = claim_id(MATCHED_ARM, "none", "attention_entropy:loss_matched")
     win = "post-transient, loss-matched"
+    layers = sorted(df.loc[df["head"] == -1, "layer"].unique())
+    df = layer_metric(df, "attention_entropy")  # all it reads: each layer's subset is then cut from this
     rows = _direction_row(_loss_matched(df, metrics, MATCHED_ARM), what, cid, "mean over layers", win, +1, note)
-    for layer in sorted(df.loc[df["head"] == -1, "layer"].unique()):
+    for layer in layers:
         m = _loss_matched(df[df["layer"] == layer], metrics, MATCHED_ARM)
         rows += _direction_row(m, what, cid, f"layer={layer}", win, +1, note)
     return rows
