@@ -142,21 +142,28 @@ def _next(bar: tqdm, stage: Iterator[str]) -> None:
 
 
 def _claim_parts(
-    path: Path, geometry: pd.DataFrame, metrics: pd.DataFrame, extra: Callable[[Path], list[pd.DataFrame]] | None
+    path: Path,
+    geometry: pd.DataFrame,
+    metrics: pd.DataFrame,
+    extra: Callable[[Path], list[pd.DataFrame]] | None,
+    with_tables: bool = True,
 ) -> tuple[pd.DataFrame, dict[str, pd.DataFrame]]:
     """The claims the study's design calls for (matched arms, intervention arms, the main claims of its
-    none runs, a higher wing's extra parts) and the tables that come with them."""
+    none runs, a higher wing's extra parts) and, with_tables, the tables that come with them (a
+    leave-one-seed-out rebuild reads only the claims)."""
     parts, tables = [], {}
     if matched.is_matched_study(geometry):  # causal v4: closed-loop arms against a sham, per layer
         parts.append(matched.claims_matched(geometry, metrics))
-        tables["matched_dose"] = matched.dose_table(geometry)
+        if with_tables:
+            tables["matched_dose"] = matched.dose_table(geometry)
     elif geometry["intervention"].nunique() > 1:
         parts.append(causal.claims_intervention(geometry, metrics))
     base = geometry[geometry["intervention"] == "none"]
     if len(base) and (base["n_layers"].nunique() > 1 or base["qk_init"].nunique() > 1 or not parts):
         parts.append(A.claims_main(base))
-        tables |= {"sensitivity": A.sensitivity(base), "seed_agreement": A.seed_agreement(base),
-                   "horizon": A.horizon(base)}  # fmt: skip
+        if with_tables:
+            tables |= {"sensitivity": A.sensitivity(base), "seed_agreement": A.seed_agreement(base),
+                       "horizon": A.horizon(base)}  # fmt: skip
     if extra is not None:
         parts += extra(path)
     return pd.concat(parts, ignore_index=True), tables
@@ -175,7 +182,7 @@ def _variants(
 
     def rebuild(seed: int) -> pd.DataFrame:
         kept = geometry[geometry["seed"] != seed], metrics[metrics["seed"] != seed]
-        return A.apply_margin(_claim_parts(path, *kept, None)[0], margin)
+        return A.apply_margin(_claim_parts(path, *kept, None, with_tables=False)[0], margin)
 
     return R.leave_one_seed_out(claims, sorted(geometry["seed"].unique()), rebuild)
 
