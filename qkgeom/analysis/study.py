@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,6 +40,7 @@ FAMILY_HEADLINE = {
 INTERIM_CHECKS = "interim_checks"  # a blind study's table: its checks, without any outcome row
 # what analyze is doing, on one status line of a terminal's stderr (a causal study's analysis takes ~20 s)
 STAGES = ("loading the runs", "claims", "robustness variants", "per-layer tables", "what the report shows")
+LADDER_STAGES = ("loading the runs", "claims and local slopes", "robustness variants")
 
 
 @dataclass
@@ -74,18 +76,31 @@ class Analysis:
         return self.geometry["intervention"].nunique() > 1
 
 
+@contextmanager
+def _status(stages: tuple[str, ...]) -> Iterator[Callable[[], None]]:
+    """One line on a terminal's stderr, "analyze: i/n <stage> [elapsed]"; the function it gives moves it
+    to the next of `stages`. Cleared on exit, an error's included; nothing off a terminal (tqdm's
+    disable=None: a pipe, a log file, a notebook)."""
+    with tqdm(total=len(stages), bar_format="analyze: {desc} [{elapsed}]", disable=None, leave=False) as bar:
+        labels = iter(f"{i}/{len(stages)} {what}" for i, what in enumerate(stages, 1))
+        bar.set_description_str(next(labels))
+
+        def advance() -> None:
+            bar.update(1)
+            bar.set_description_str(next(labels))
+
+        yield advance
+
+
 def analyze(path: str | Path, extra: Callable[[Path], list[pd.DataFrame]] | None = None) -> Analysis:
     """Load every finished run under `path`, compute trajectories and claims, write the tables.
     extra: claims parts a higher wing adds (families.study.analyze_study: a family study's trends)."""
-    # a terminal's stderr shows the stage (STAGES); the line is cleared on return and on an error
-    with tqdm(total=len(STAGES), bar_format="analyze: {desc} [{elapsed}]", disable=None, leave=False) as bar:
-        return _analyze(Path(path), extra, bar)
+    with _status(STAGES) as advance:
+        return _analyze(Path(path), extra, advance)
 
 
-def _analyze(path: Path, extra: Callable[[Path], list[pd.DataFrame]] | None, bar: tqdm) -> Analysis:
-    """analyze, stage by stage."""
-    stage = iter(f"{i}/{len(STAGES)} {what}" for i, what in enumerate(STAGES, 1))
-    bar.set_description_str(next(stage))
+def _analyze(path: Path, extra: Callable[[Path], list[pd.DataFrame]] | None, advance: Callable[[], None]) -> Analysis:
+    """analyze, stage by stage (advance: on to the next of STAGES)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", A.RunWarning)
         geometry, metrics = A.load_runs(path), A.load_metrics(path)
@@ -93,7 +108,7 @@ def _analyze(path: Path, extra: Callable[[Path], list[pd.DataFrame]] | None, bar
     geometry = A.with_transient(geometry)
     traj = A.trajectories(geometry)
     base = geometry[geometry["intervention"] == "none"]
-    _next(bar, stage)
+    advance()
     claims, tables = _claim_parts(path, geometry, metrics, extra)
     sens = tables.get("sensitivity", pd.DataFrame(columns=A.CLAIM_COLUMNS))
     pre = study_analysis(path)
@@ -102,7 +117,7 @@ def _analyze(path: Path, extra: Callable[[Path], list[pd.DataFrame]] | None, bar
     claims = A.numeric_columns(P.adjust_primary(claims, pre.get("primary", []), strict=not blind))
     judged = verdict_rows(claims)
     tables["verdicts"] = verdicts(judged, select=False)
-    _next(bar, stage)
+    advance()
     if (families := R.registered(pre, R.MAIN_VARIANTS)) and not blind and extra is None:  # analysis.robustness
         tables[R.TABLE] = _variants(path, geometry, metrics, claims, float(pre.get("margin", np.nan)), families)
     if "matched_dose" in tables:  # the per-layer checks, each arm against the sham
@@ -110,7 +125,7 @@ def _analyze(path: Path, extra: Callable[[Path], list[pd.DataFrame]] | None, bar
     written = {"summary": traj, "claims": claims, **tables}
     if blind:  # no claims.csv or verdicts.csv until the registered n is in: the checks go to their own table
         written = {"summary": traj, INTERIM_CHECKS: claims}
-    _next(bar, stage)
+    advance()
     post = A.window(base if len(base) else geometry, "post-transient")
     per_run = A.per_run_statistics(post)
     by_layer = pd.concat([layers.slope_layer_rows(post, per_run, claims, float(pre.get("margin", np.nan))),
@@ -119,7 +134,7 @@ def _analyze(path: Path, extra: Callable[[Path], list[pd.DataFrame]] | None, bar
         written[layers.TABLE] = by_layer
     for name, df in written.items():
         write_table(path, name, df, parquet=True)
-    _next(bar, stage)
+    advance()
     extra_tables = shown(path, geometry, per_run)  # what the report shows besides the claims
     for name in ("energy_ranks", "lifecycle_depth"):
         if (df := getattr(extra_tables, name)) is not None and len(df):
@@ -133,12 +148,6 @@ def _analyze(path: Path, extra: Callable[[Path], list[pd.DataFrame]] | None, bar
         matched_dose=tables.get("matched_dose"), blind=blind, shown=extra_tables,
         verdict_table=tables["verdicts"], judged=judged, headline=causal.headline(claims),
     )  # fmt: skip
-
-
-def _next(bar: tqdm, stage: Iterator[str]) -> None:
-    """The status line moves on to the next of STAGES."""
-    bar.update(1)
-    bar.set_description_str(next(stage))
 
 
 def _claim_parts(
@@ -352,12 +361,18 @@ def ladder_tables(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.Data
     their records): everything the ladder's page (report.study.write_ladder_report) reads.
     Returns (claims, verdict table, local-slope summary, facts for the page: runs, planned, seeds,
     budgets, skipped-run warnings)."""
+    with _status(LADDER_STAGES) as advance:
+        return _ladder_tables(Path(path), advance)
+
+
+def _ladder_tables(path: Path, advance: Callable[[], None]) -> tuple[pd.DataFrame, pd.DataFrame, pd.DataFrame, dict]:
+    """ladder_tables, stage by stage (advance: on to the next of LADDER_STAGES)."""
     from qkgeom.analysis import ladder as L
 
-    path = Path(path)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", A.RunWarning)
         g, m = L.load_ladder(path)
+    advance()
     pre = study_analysis(path)
     sweep = path / SWEEP_MANIFEST
     planned = len(read_json(sweep)["runs"]) if sweep.is_file() else None
@@ -371,6 +386,7 @@ def ladder_tables(path: str | Path) -> tuple[pd.DataFrame, pd.DataFrame, pd.Data
     families = R.registered(pre, L.VARIANTS)
     top = g[g["budget_m"] == g["budget_m"].max()]
     write_table(path, layers.TABLE, L.layer_rows_ladder(top, float(pre.get("margin", np.nan))))
+    advance()
     if families:  # the registered robustness variants of L1-L4 (analysis.robustness)
         variants = L.robustness_variants(g, m, float(pre.get("margin", np.nan)), families)
         write_table(path, R.TABLE, R.variant_table(L.primary_rows(claims), variants))

@@ -425,10 +425,10 @@ class _Terminal(io.StringIO):
 def test_analyze_says_where_it_is_on_a_terminal_and_nothing_elsewhere(tmp_path, capsys, monkeypatch):
     """A causal study's analysis is ~20 s of silence without it: on a terminal's stderr `qkgeom analyze`
     keeps one status line (its stage of STAGES, elapsed time) and a bar over the leave-one-seed-out
-    rebuilds, and `qkgeom report` one over the figures it draws; written to a file or a pipe (here
-    pytest's capture) stderr stays empty."""
+    rebuilds, and `qkgeom report` one over the figures it draws (a token ladder: its own stages); written
+    to a file or a pipe (here pytest's capture) stderr stays empty."""
     from qkgeom.analysis import robustness as R
-    from qkgeom.analysis.study import STAGES
+    from qkgeom.analysis.study import LADDER_STAGES, STAGES
 
     committed = RESULTS / "study-trainer-gpt2"
     for run in (1, 2):
@@ -445,6 +445,14 @@ def test_analyze_says_where_it_is_on_a_terminal_and_nothing_elsewhere(tmp_path, 
     for i, stage in enumerate(STAGES, 1):
         assert f"analyze: {i}/{len(STAGES)} {stage} [00:" in shown
     assert "report: drawing:   0%|" in shown
+    ladder = tmp_path / "ladder-cpu"  # a token ladder is analysed by its own path, with its own stages
+    shutil.copytree(RESULTS / ladder.name / "runs", ladder / "runs")
+    for name in ("sweep.json", "preregistration.toml", "preregistration_versions.json"):
+        if (RESULTS / ladder.name / name).is_file():
+            shutil.copy(RESULTS / ladder.name / name, ladder / name)
+    assert main(["analyze", str(ladder)]) == 0
+    for i, stage in enumerate(LADDER_STAGES, 1):
+        assert f"analyze: {i}/{len(LADDER_STAGES)} {stage} [00:" in terminal.getvalue()
     claims = pd.DataFrame({"primary": ["X1"], "claim_id": ["c"], "group": ["all"], "window": ["w"], "value": [1.0],
                            "ci_low": [0.5], "ci_high": [1.5], "n": [3], "p_value": [0.01], "p_sign_flip": [0.25],
                            "verdict": ["holds"]})  # fmt: skip
