@@ -52,7 +52,8 @@ def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
     """Write every checkpoint of a qkgeom run as a Hugging Face GPT-2 folder out/step_<n>/.
 
     Our GPT is GPT-2's architecture without biases: fused c_attn = [W_Q | W_K | W_V] (D, 3D),
-    exact GELU, LayerNorm eps 1e-5, tied embeddings; biases are written as zeros.
+    exact GELU, LayerNorm eps 1e-5, tied embeddings; biases are written as zeros. Returns the revision
+    folders in step order.
     """
     rd = RunDir(run_dir)
     if not rd.config.is_file():
@@ -68,15 +69,15 @@ def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
     _check_same_run(rd, out)
     for stale in sorted(out.glob(".step_*.tmp")) if out.is_dir() else []:  # a killed export's half revision
         shutil.rmtree(stale, ignore_errors=True)
-    written: list[Path] = []
+    written: dict[int, Path] = {}  # step -> revision folder
     for ckpt in sorted(rd.checkpoints.glob("*.pt")):
         state = rd.load_checkpoint(ckpt.name)
         step, sd = int(state["step"]), state["model"]
         target = out / revision_name(step)
-        if target in written:  # last.pt is also a kept step
+        if step in written:  # last.pt is also a kept step
             continue
         if (target / EXPORT_INFO).is_file():  # exported whole by an earlier, interrupted export
-            written.append(target)
+            written[step] = target
             continue
         hf_cfg = GPT2Config(
             vocab_size=cfg["vocab_size"],
@@ -114,9 +115,9 @@ def export_run(run_dir: str | Path, out: str | Path) -> list[Path]:
         hf.load_state_dict({**new, **missing}, strict=False)
         info = {"run": str(rd.path.resolve()), "run_id": rd.path.name, "step": step}
         _write_folder(target, hf, vocab, {**info, "tokens_per_step": cfg["tokens_per_step"]})
-        written.append(target)
+        written[step] = target
     if not written:
         raise DamagedRunError(
             f"{rd.path} has no checkpoints to export (train with --set train.keep_checkpoints=log to keep a family)"
         )
-    return written
+    return [written[s] for s in sorted(written)]  # in step order (the files sort as last, step_0, step_12, ...)

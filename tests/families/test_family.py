@@ -52,7 +52,7 @@ def exported(tmp_path_factory):
 
 def test_native_and_hugging_face_paths_agree(exported):
     cfg, rd, hf_root, folders = exported
-    assert sorted(f.name for f in folders) == ["step_0", "step_12", "step_6"]
+    assert [f.name for f in folders] == ["step_0", "step_6", "step_12"]  # in step order (was last.pt's first)
     corpus = load_corpus(cfg.data)
     valid = corpus.splits["valid"]
     idx = torch.from_numpy(gather(valid, fixed_offsets(len(valid), cfg.model.n_ctx, 4), cfg.model.n_ctx)[0])
