@@ -15,7 +15,9 @@ logit spectrum of 4 sequences, weight spectra), so a ratio near 1 means its extr
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
+import sys
 
 import numpy as np
 import torch
@@ -69,6 +71,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if importlib.util.find_spec("nnsight") is None:  # the peer is no qkgeom dependency: one line, not a traceback
+        sys.exit("bench/pretrained_peer.py needs nnsight, its peer: pip install 'qkgeom[bench]'")
     torch.set_num_threads(args.threads)
     from transformers import GPT2Config, GPT2LMHeadModel
     from transformers.utils import logging as hf_logging
