@@ -1,0 +1,38 @@
+"""The benchmarks no other test runs still run: each at its smallest size, in its own process, exits 0 and
+prints the figure it exists for. (Their figures are read from their output, never timed here; the
+invariants below are what each script checks of itself at any size.)"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+TINY = ["--width", "64", "--layers", "2", "--heads", "2", "--ctx", "32"]
+# (script, arguments, a line it must print: a regular expression)
+SMALLEST = [
+    ("probe_split", [*TINY, "--batch", "2", "--reps", "1"], r"probe_gpt, whole: [\d.]+ s; .* probe / step = [\d.]+"),
+    ("probe_repeat", ["--processes", "1", *TINY], r"1 distinct result\(s\) in 1 processes \(\d+ rows\)"),
+    # the door: no tensor leaves the device but through qkgeom.device.to_host, none is tested implicitly
+    ("probe_syncs", [], r"direct copies \(tensor.cpu\(\) outside the door\)\s+0\n.*\n\s*implicit syncs .*\s0\n"),
+    ("probe_writes", ["--probes", "2", "--depth", "2"], r"ratio old / now: [\d.]+x bytes, [\d.]+x time"),
+    ("stacked_seeds", ["--preset", "tiny", "--seeds", "2", "--steps", "3", "--reps", "1"],
+     r"largest \|loss difference\| stacked vs separate: [\d.e+-]+"),
+    ("job_floor", ["--depth", "2", "--steps", "60", "--reps", "1"], r"whole job / own steps [\d.]+"),
+    ("intervention_cost", ["--depth", "2", "--steps", "5"], r"contract W_QW_K\^T\s+:\s+[\d.]+ ms"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("script", "args", "says"), SMALLEST, ids=[s[0] for s in SMALLEST])
+def test_a_benchmark_runs_at_its_smallest_size(script, args, says, wikitext):
+    r = subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), *args], capture_output=True,
+                       text=True, cwd=REPO, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(says, r.stdout), r.stdout[-2000:]
+    if script == "stacked_seeds":  # vmap over seeds trains the same models as one after another
+        diff = float(re.search(r"stacked vs separate: ([\d.e+-]+)", r.stdout).group(1))
+        assert diff < 1e-4
