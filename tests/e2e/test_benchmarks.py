@@ -24,6 +24,12 @@ SMALLEST = [
      r"largest \|loss difference\| stacked vs separate: [\d.e+-]+"),
     ("job_floor", ["--depth", "2", "--steps", "60", "--reps", "1"], r"whole job / own steps [\d.]+"),
     ("intervention_cost", ["--depth", "2", "--steps", "5"], r"contract W_QW_K\^T\s+:\s+[\d.]+ ms"),
+    ("train_throughput", ["--steps", "5", "--rounds", "1", "--depths", "2", "--threads", "1"],
+     r"whole job / its own training steps \(same process\) [\d.]+"),
+    # qkgeom's settled vector-math kernels: a fresh process's first call gives its second's bits
+    ("vml_race", ["--processes", "2", "--threads", "1"],
+     r"settled\s+first call differed from the second in: log float64 0, sqrt float32 0 "),
+    ("interval_coverage", ["--draws", "100", "--out", "{tmp}"], r"written to "),
     # the timed analysis still re-derives the committed tables, every one
     ("analyze_time", ["--study", "study-trainer-gpt2", "--top", "0"],
      r"tables equal to the committed ones: (?:[\w.]+ yes, )+[\w.]+ yes\n"),
@@ -31,7 +37,8 @@ SMALLEST = [
 
 
 @pytest.mark.parametrize(("script", "args", "says"), SMALLEST, ids=[s[0] for s in SMALLEST])
-def test_a_benchmark_runs_at_its_smallest_size(script, args, says, wikitext):
+def test_a_benchmark_runs_at_its_smallest_size(script, args, says, wikitext, tmp_path):
+    args = [a.format(tmp=tmp_path) for a in args]
     r = subprocess.run([sys.executable, str(REPO / "bench" / f"{script}.py"), *args], capture_output=True,
                        text=True, cwd=REPO, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
