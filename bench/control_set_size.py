@@ -3,7 +3,7 @@ lands off on held-out text (issue 52: choose intervention.control_seqs from a me
 
     qkgeom train cpu --set model.n_layers=4 --set intervention.control_seqs=16 \
         --set "train.checkpoint_steps=[200,300,400,500,600,700,800,900,1000]" --out runs/pilot-none
-    python bench/control_set_size.py runs/pilot-none [--sizes 4 8 16 32 64] [--threads 1]
+    python bench/control_set_size.py runs/pilot-none [--sizes 4 8 16 32 64] [--threads 1] [--from-step 200]
 
 For each kept checkpoint of a finished none run, each control-set size n (n fixed *training* sequences:
 the training split, data.fixed_offsets) and each closed-loop arm of causal-v4 (sham, shape 0.8, shape 1.25, hold)
@@ -19,6 +19,7 @@ its inputs every 10 steps).
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -81,9 +82,12 @@ def main() -> None:
     ap.add_argument("run", type=Path, help="a finished none run of the cpu preset with kept checkpoints")
     ap.add_argument("--sizes", type=int, nargs="+", default=[4, 8, 16, 32, 64], help="control-set sizes to try")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (a study worker uses 1)")
+    ap.add_argument("--from-step", type=int, default=200, help="checkpoints from this step on (past the transient)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rd = RunDir(args.run)
+    if not rd.config.is_file():
+        sys.exit(f"{args.run} is not a qkgeom run folder (no config.json)")
     info = read_json(rd.config)
     cfg = C.from_dict(info["config"])
     corpus = load_corpus(cfg.data, Vocab.from_json(rd.vocab.read_text()))
@@ -91,7 +95,11 @@ def main() -> None:
     n_ctx = cfg.model.n_ctx
     held = torch.from_numpy(gather(valid, fixed_offsets(len(valid), n_ctx, HELD_OUT), n_ctx)[0])
     model0 = GPT(cfg.model, corpus.vocab.size, seed=cfg.train.seed)
-    steps = sorted(s for s in info["kept_checkpoints"] if s >= 200)
+    kept = info.get("kept_checkpoints", [])
+    steps = sorted(s for s in kept if s >= args.from_step)
+    if not steps:  # one line, not numpy's error on an empty quantile
+        sys.exit(f"{args.run}: no kept checkpoint at step >= {args.from_step} (kept: {kept or 'none'}); "
+                 "train it with train.checkpoint_steps as above, or lower --from-step")  # fmt: skip
     print(f"run {rd.path.name}: checkpoints {steps}; arms {', '.join(ARMS)}; layers {LAYERS}")
     print(f"held-out error: |log| of the layer's mean per-row logit std on {HELD_OUT} validation sequences")
     print(f"{'n':>4} {'ms/step':>8} {'|err| median':>13} {'|err| p95':>10} {'|err| max':>10}")

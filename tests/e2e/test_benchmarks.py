@@ -46,3 +46,21 @@ def test_a_benchmark_runs_at_its_smallest_size(script, args, says, wikitext, tmp
     if script == "stacked_seeds":  # vmap over seeds trains the same models as one after another
         diff = float(re.search(r"stacked vs separate: ([\d.e+-]+)", r.stdout).group(1))
         assert diff < 1e-4
+
+
+def test_the_control_set_benchmark_runs_on_a_small_run(tmp_path, wikitext):
+    """bench/control_set_size.py reads a finished run's kept checkpoints (from step 200 by default; a run
+    without any now gets one line, not numpy's error on an empty quantile): here a 20-step run of depth 4."""
+    run = tmp_path / "run"
+    sets = ["model.n_layers=4", "train.steps=20", "train.checkpoint_steps=[10, 20]"]
+    train = [sys.executable, "-m", "qkgeom.cli", "train", "tiny", "--no-progress", "--out", str(run)]
+    assert subprocess.run([*train, *(a for s in sets for a in ("--set", s))], capture_output=True).returncode == 0
+    bench = [sys.executable, str(REPO / "bench" / "control_set_size.py"), str(run), "--sizes", "2", "4"]
+    r = subprocess.run(bench, capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"{run}: no kept checkpoint at step >= 200 (kept: [10, 20]); train it with train.checkpoint_steps as "
+        "above, or lower --from-step"
+    )
+    r = subprocess.run([*bench, "--from-step", "10"], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 0 and "checkpoints [10, 20]" in r.stdout, r.stderr[-2000:]
+    assert re.search(r"\n\s+2\s+[\d.]+\s+[\d.]+\s+[\d.]+\s+[\d.]+\n\s+4\s+[\d.]+", r.stdout), r.stdout
