@@ -100,6 +100,22 @@ WITHIN_LAYER_LINK = "Spearman(interaction rank, normalised entropy) across heads
 N_PERMUTATIONS = 2000
 
 
+def within_group_permutations(groups: list[np.ndarray], n: int, times: int, rng: np.random.Generator) -> np.ndarray:
+    """(times, n) indices 0..n-1, each row permuted within every group of `groups` (index arrays that
+    partition 0..n-1): row by row, group by group, rng.permutation(group). Groups of one size take one
+    rng.permuted call over the rows in that same order, which draws the same numbers (tested): 2,000
+    permutations of 4 layers were 8,000 calls, 5.5 s of a family study's analysis."""
+    order = np.tile(np.arange(n), (times, 1))
+    if len({len(g) for g in groups}) == 1:
+        shuffled = rng.permuted(np.tile(np.stack(groups), (times, 1)), axis=1)  # rows: (time 0, group 0), ...
+        order[:, np.concatenate(groups)] = shuffled.reshape(times, -1)
+        return order
+    for i in range(times):
+        for idx in groups:
+            order[i, idx] = rng.permutation(idx)
+    return order
+
+
 def within_layer_link(ir: pd.Series, entropy: pd.Series, seed: int = 0) -> tuple[float, float, int]:
     """Claim 4b for one model: Spearman of interaction rank with normalised attention entropy across
     heads after removing each layer's mean from both (so a depth gradient in both does not count),
@@ -115,12 +131,8 @@ def within_layer_link(ir: pd.Series, entropy: pd.Series, seed: int = 0) -> tuple
         return rho, np.nan, len(both)
     # A within-layer shuffle of h shuffles its ranks the same way, so every permuted Spearman is the
     # Pearson r of the fixed rank vectors with permuted indices: ranked once, correlated in one product.
-    rng = np.random.default_rng(seed)
     groups = [np.flatnonzero(layer == v) for v in np.unique(layer)]
-    order = np.tile(np.arange(len(both)), (N_PERMUTATIONS, 1))  # (N_PERMUTATIONS, n) permuted indices
-    for i in range(N_PERMUTATIONS):
-        for idx in groups:
-            order[i, idx] = rng.permutation(idx)
+    order = within_group_permutations(groups, len(both), N_PERMUTATIONS, np.random.default_rng(seed))
 
     def standardised_ranks(v: np.ndarray) -> np.ndarray:
         r = sps.rankdata(v)
