@@ -318,8 +318,14 @@ def analyze_study(path: str | Path):
     if not has_families(path):
         return analyze(path)
     families = read_families(path)  # read once: the claims, each seed left out of them, the windows
-    seeds = seed_statistics(families)
-    a = analyze(path, extra=lambda p: [write_family_tables(p, seeds)])
+    measured: dict[str, pd.DataFrame] = {}
+
+    def family_parts(p: Path) -> list[pd.DataFrame]:  # inside analyze's claims stage (its status line)
+        measured["seeds"] = seed_statistics(families)
+        return [write_family_tables(p, measured["seeds"])]
+
+    a = analyze(path, extra=family_parts)
+    seeds = measured["seeds"]
     write_table(path, FAMILY_WINDOWS, window_sensitivity(families))
     if variants := R.registered(study_analysis(path), R.MAIN_VARIANTS):  # analysis.robustness
         R.only_seed_variant(variants)
