@@ -116,6 +116,15 @@ class ModelConfig:
     def d_hidden(self) -> int:
         return self.d_mlp or 4 * self.d_model
 
+    def n_parameters(self, vocab_size: int) -> int:
+        """Trainable parameters of training/model.py's GPT at this shape, counted without building it:
+        token and position embeddings (the token one tied to the output), per block W_Q, W_K, W_V, W_O,
+        the MLP's two bias-free matrices and two LayerNorms (weight and bias), and the final LayerNorm.
+        tests/training/test_model.py checks it against the built model's count."""
+        D, L = self.d_model, self.n_layers
+        block = 4 * D * self.n_heads * self.d_head + 2 * D * self.d_hidden + 2 * 2 * D
+        return vocab_size * D + self.n_ctx * D + L * block + 2 * D
+
 
 @dataclass(frozen=True)
 class TrainConfig:

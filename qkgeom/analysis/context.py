@@ -8,7 +8,6 @@ seen, and tokens per parameter.
 
 from __future__ import annotations
 
-import json
 from functools import lru_cache
 from pathlib import Path
 
@@ -31,19 +30,9 @@ def unigram_baseline(source: str, tokenizer: str, vocab_json: str) -> float:
 
 
 def n_parameters(model_cfg: dict, vocab_size: int) -> int:
-    """Trainable parameters of our GPT (tied embeddings counted once), built on the meta device."""
-    return _n_parameters(json.dumps(model_cfg, sort_keys=True), vocab_size)
-
-
-@lru_cache(maxsize=64)
-def _n_parameters(model_json: str, vocab_size: int) -> int:  # a study's runs share a few shapes
-    import torch  # only for runs recorded before done.json kept the count: analysis needs no torch
-
-    from qkgeom.training.model import GPT
-
-    with torch.device("meta"):
-        model = GPT(C.from_dict({"model": json.loads(model_json)}).model, vocab_size)
-    return sum(p.numel() for p in model.parameters())
+    """Trainable parameters of our GPT (tied embeddings counted once), from its shape alone: for runs
+    recorded before done.json kept the count (analysis imports no torch)."""
+    return C.from_dict({"model": model_cfg}).model.n_parameters(vocab_size)
 
 
 def run_context(run: Path, geometry: pd.DataFrame) -> dict:

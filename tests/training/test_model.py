@@ -114,3 +114,22 @@ def test_patch_changes_output_and_is_removed():
         patched = model(idx, explicit=True)
     assert not torch.allclose(base, patched)
     assert torch.equal(model(idx, explicit=True), base)
+
+
+@pytest.mark.parametrize(
+    "shape, vocab",
+    [
+        (dict(n_layers=2, d_model=32, n_heads=4, n_ctx=16), 11),
+        (dict(n_layers=3, d_model=48, n_heads=6, n_ctx=40, d_mlp=100), 284),
+        (dict(n_layers=1, d_model=64, n_heads=1, n_ctx=8), 50304),
+    ],
+)
+def test_the_counted_parameters_are_the_built_models(shape, vocab):
+    """ModelConfig.n_parameters counts what training/model.py builds (analysis reads it for runs whose
+    done.json has no count, without importing torch); the first shape also counted by hand."""
+    cfg = C.ModelConfig(**shape)
+    with torch.device("meta"):
+        built = sum(p.numel() for p in GPT(cfg, vocab).parameters())
+    assert cfg.n_parameters(vocab) == built
+    if shape["d_model"] == 32:  # wte 11*32, wpe 16*32, 2 blocks of 4*32*32 + 2*32*128 + 4*32, ln_f 2*32
+        assert built == 352 + 512 + 2 * (4096 + 8192 + 128) + 64 == 25760
