@@ -31,6 +31,7 @@ first layer contracts and the last layer expands, so T2 may be inconclusive.
 from __future__ import annotations
 
 import argparse
+import math
 from pathlib import Path
 
 import torch
@@ -79,11 +80,14 @@ def main() -> None:
             vocab_size=corpus.vocab.size, n_positions=CTX, n_embd=128, n_layer=4, n_head=4,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
         )  # fmt: skip
+        # eval_steps divides the steps, so the last step is evaluated whatever transformers' version (5.0
+        # evaluates only at multiples of eval_steps; later ones also at the end)
         targs = TrainingArguments(
             str(Path(args.out) / "hf" / f"seed{seed}"), max_steps=args.steps, per_device_train_batch_size=BATCH,
             per_device_eval_batch_size=BATCH, learning_rate=2e-3, warmup_steps=50, lr_scheduler_type="cosine",
             weight_decay=0.1, max_grad_norm=1.0, seed=seed, data_seed=1000 + seed, eval_strategy="steps",
-            eval_steps=250, logging_steps=50, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=False,
+            eval_steps=math.gcd(250, args.steps), logging_steps=50, save_strategy="no", report_to=[], use_cpu=True,
+            disable_tqdm=False,
         )  # fmt: skip
         callback = QKGeometryCallback(probe_batch, out, every=50, tokens_per_step=BATCH * CTX)
         trainer = Trainer(GPT2LMHeadModel(config), targs, train_dataset=train_set, eval_dataset=eval_set,

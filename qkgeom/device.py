@@ -318,6 +318,13 @@ def check_portable() -> None:
         )
     wide = numpy_wide_loops()
     if wide:
+        import numpy as np
+
+        if tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4):  # it names its loops otherwise
+            raise DeviceError(
+                f"train.portable: numpy runs its {' '.join(wide)} loops, which PORTABLE_ENV cannot turn off in "
+                f"numpy {np.__version__}: it needs numpy >= 2.4 (pip install 'numpy>=2.4')"
+            )
         raise DeviceError(
             f"train.portable: numpy runs its {' '.join(wide)} loops; it needs NPY_DISABLE_CPU_FEATURES to name "
             "them before numpy starts (PORTABLE_ENV names numpy >= 2.4's)"

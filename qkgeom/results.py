@@ -279,7 +279,9 @@ class RunDir:
         files = [self.geometry] if self.geometry.exists() else self._parts(self.geometry_parts, ".parquet")
         if not files:
             return pd.DataFrame(columns=GEOMETRY_COLUMNS)
-        return pd.concat([_read_parquet(f) for f in files], ignore_index=True)
+        df = pd.concat([_read_parquet(f) for f in files], ignore_index=True)
+        # a nullable string as written (geometry_frame): pandas 3.1.0 with pyarrow 16 reads it back as `str`
+        return df.assign(note=df["note"].astype("string")) if "note" in df else df
 
     # one part per probe while a run trains, consolidated when it finishes --------------------
     geometry_parts = property(lambda self: self.path / "geometry.parts")
