@@ -5,17 +5,22 @@ PY := $(VENV)/bin/python
 # Real WikiText-2 text used by tests, benchmarks and presets (see ../shared/data/wikitext/README.md).
 export QKGEOM_WIKITEXT_DIR ?= $(abspath ../shared/data/wikitext)
 
-.PHONY: setup test lint study bench
+.PHONY: setup test test-floors lint study bench
+
+# torch's CPU build into the venv of python $(1): from a configured index or local wheel if one has it,
+# else from PyTorch's CPU index (PyPI's plain 2.13.0 is a CUDA build of several GB); macOS has only the
+# plain build
+define install_torch
+	$(1) -m pip install -q 'torch==2.13.0+cpu' 2>/dev/null \
+	  || $(1) -m pip install -q 'torch==2.13.0+cpu' --index-url https://download.pytorch.org/whl/cpu \
+	  || $(1) -m pip install -q torch==2.13.0
+endef
 
 # The main job's install: the package and its core dependencies (torch, numpy, pandas, matplotlib, ...).
 $(VENV)/.core: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch's CPU build: from a configured index or local wheel if one has it, else from PyTorch's CPU
-	# index (PyPI's plain 2.13.0 is a CUDA build of several GB); macOS has only the plain build
-	$(PY) -m pip install -q 'torch==2.13.0+cpu' 2>/dev/null \
-	  || $(PY) -m pip install -q 'torch==2.13.0+cpu' --index-url https://download.pytorch.org/whl/cpu \
-	  || $(PY) -m pip install -q torch==2.13.0
+	$(call install_torch,$(PY))
 	$(PY) -m pip install -q -e .
 	touch $@
 
@@ -34,6 +39,24 @@ lint: setup
 # 14 min against 19 one after another); worksteal evens out the long end-to-end files
 test: lint
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist worksteal
+
+# The same tests under the lowest versions pyproject.toml allows (.ci/floors.txt), in a venv of their
+# own: the parts that read what those libraries compute (statistics and the committed records, pretrained
+# architectures, families, stored tables, the Trainer and Lightning callbacks and the trackers, the Trainer
+# example, portable kernels). QKGEOM_FLOORS makes
+# tests/e2e/test_install.py check that the venv holds exactly the pinned versions.
+FLOORS_VENV ?= .venv-floors
+FLOOR_TESTS ?= tests/e2e/test_install.py tests/e2e/test_examples.py tests/analysis tests/probing tests/families \
+  tests/integrations tests/ground/test_portable.py
+$(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.txt
+	python3 -m venv $(FLOORS_VENV)
+	$(FLOORS_VENV)/bin/python -m pip install -q --upgrade pip
+	$(call install_torch,$(FLOORS_VENV)/bin/python)
+	$(FLOORS_VENV)/bin/python -m pip install -q -c .ci/floors.txt -e '.[dev]'
+	touch $@
+
+test-floors: $(FLOORS_VENV)/.installed
+	QKGEOM_FLOORS=1 $(FLOORS_VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal $(FLOOR_TESTS)
 
 study: $(VENV)/.core
 	$(VENV)/bin/qkgeom study smoke

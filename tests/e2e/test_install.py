@@ -96,3 +96,32 @@ def test_the_checkout_records_its_own_commit():
     if not (REPO / ".git").exists():
         pytest.skip("a source tree without git: no commit to read")
     assert git_state(REPO)[0] == git(REPO, "rev-parse", "HEAD")
+
+
+def _floors() -> dict[str, str]:
+    lines = (REPO / ".ci" / "floors.txt").read_text().splitlines()
+    return dict(line.split("==") for line in lines if line.strip() and not line.startswith("#"))
+
+
+def test_the_floors_are_pyprojects_lower_bounds():
+    """.ci/floors.txt (what `make test-floors` installs) pins each core dependency at the lower bound
+    pyproject.toml declares, so a raised or lowered bound without a floors run fails here."""
+    import re
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    bounds = dict(re.match(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", d).groups() for d in deps)
+    from packaging.version import Version
+
+    floors = _floors()
+    assert set(bounds) - set(floors) == {"torch"}  # its floor cannot be installed on these machines
+    assert {name: Version(bounds[name]) for name in floors} == {name: Version(v) for name, v in floors.items()}
+
+
+def test_the_floors_venv_holds_the_floors():
+    """Under `make test-floors` (QKGEOM_FLOORS=1) the tests must run on exactly the pinned versions: a
+    resolver that quietly took newer ones would test nothing."""
+    if not os.environ.get("QKGEOM_FLOORS"):
+        pytest.skip("not the floors venv (make test-floors runs this)")
+    installed = {name: importlib.metadata.version(name) for name in _floors()}
+    assert installed == _floors()
