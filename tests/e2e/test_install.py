@@ -109,10 +109,10 @@ def test_the_floors_are_pyprojects_lower_bounds():
     import re
     import tomllib
 
-    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
-    bounds = dict(re.match(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", d).groups() for d in deps)
     from packaging.version import Version
 
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    bounds = dict(re.match(r"([A-Za-z0-9_.-]+)>=([0-9.]+)", d).groups() for d in deps)
     floors = _floors()
     assert set(bounds) - set(floors) == {"torch"}  # its floor cannot be installed on these machines
     assert {name: Version(bounds[name]) for name in floors} == {name: Version(v) for name, v in floors.items()}
