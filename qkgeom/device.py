@@ -290,12 +290,17 @@ def portable_env_missing(environ: dict[str, str] | None = None) -> dict[str, str
 def numpy_wide_loops() -> list[str]:
     """numpy's AVX-512 dispatch targets this process runs (numpy >= 2.4 names them X86_V4, AVX512_ICL,
     AVX512_SPR; older ones AVX512F, AVX512_SKX, ...): none under PORTABLE_ENV."""
-    try:
-        from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
-    except ImportError:  # numpy < 2
-        from numpy.core._multiarray_umath import __cpu_dispatch__, __cpu_features__
+    from numpy._core._multiarray_umath import __cpu_dispatch__, __cpu_features__
 
     return [t for t in __cpu_dispatch__ if t.startswith(("X86_V4", "AVX512")) and __cpu_features__.get(t)]
+
+
+def numpy_names_loops_otherwise() -> bool:
+    """Whether this numpy is older than 2.4: its AVX-512 loops go by names (AVX512F, AVX512_SKX, ...) that
+    PORTABLE_ENV's NPY_DISABLE_CPU_FEATURES does not give, so train.portable cannot turn them off."""
+    import numpy as np
+
+    return tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4)
 
 
 def check_portable() -> None:
@@ -318,9 +323,9 @@ def check_portable() -> None:
         )
     wide = numpy_wide_loops()
     if wide:
-        import numpy as np
+        if numpy_names_loops_otherwise():
+            import numpy as np
 
-        if tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4):  # it names its loops otherwise
             raise DeviceError(
                 f"train.portable: numpy runs its {' '.join(wide)} loops, which PORTABLE_ENV cannot turn off in "
                 f"numpy {np.__version__}: it needs numpy >= 2.4 (pip install 'numpy>=2.4')"

@@ -90,11 +90,9 @@ def tiny_llama_module(vocab: int, ctx: int):
 def portable_refuses_this_numpy() -> bool:
     """Whether train.portable refuses this process's numpy: one older than 2.4 on a CPU with AVX-512 loops
     (PORTABLE_ENV's NPY_DISABLE_CPU_FEATURES names numpy >= 2.4's targets; the floors venv has 2.0)."""
-    import numpy as np
+    from qkgeom.device import numpy_names_loops_otherwise, numpy_wide_loops
 
-    from qkgeom.device import numpy_wide_loops
-
-    return tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4) and bool(numpy_wide_loops())
+    return numpy_names_loops_otherwise() and bool(numpy_wide_loops())
 
 
 OLD_NUMPY_REFUSED = "train.portable refuses numpy < 2.4 on this AVX-512 CPU (its refusal is tested apart)"
