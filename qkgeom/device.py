@@ -189,8 +189,10 @@ PORTABLE_ENV = {
     "MKL_DYNAMIC": "FALSE",  # the thread count asked for is the one used
     "OMP_DYNAMIC": "FALSE",
     # numpy's AVX-512 loops (its own float64 log, exp, power: other bits than the AVX2 CPUs' glibc
-    # calls); numpy >= 2.4 names them so
-    "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR",
+    # calls), by both sets of names: numpy >= 2.4's X86_V4 ..., 2.0-2.3's AVX512F ...; each numpy passes
+    # over the names it does not know
+    "NPY_DISABLE_CPU_FEATURES": "X86_V4 AVX512_ICL AVX512_SPR "
+    "AVX512F AVX512CD AVX512_KNL AVX512_KNM AVX512_SKX AVX512_CLX AVX512_CNL",
 }
 
 
@@ -295,14 +297,6 @@ def numpy_wide_loops() -> list[str]:
     return [t for t in __cpu_dispatch__ if t.startswith(("X86_V4", "AVX512")) and __cpu_features__.get(t)]
 
 
-def numpy_names_loops_otherwise() -> bool:
-    """Whether this numpy is older than 2.4: its AVX-512 loops go by names (AVX512F, AVX512_SKX, ...) that
-    PORTABLE_ENV's NPY_DISABLE_CPU_FEATURES does not give, so train.portable cannot turn them off."""
-    import numpy as np
-
-    return tuple(int(x) for x in np.__version__.split(".")[:2]) < (2, 4)
-
-
 def check_portable() -> None:
     """DeviceError in one line unless this process runs under PORTABLE_ENV, torch included (it reads
     ATEN_CPU_CAPABILITY when it starts: a setting made after `import torch` comes too late)."""
@@ -323,16 +317,9 @@ def check_portable() -> None:
         )
     wide = numpy_wide_loops()
     if wide:
-        if numpy_names_loops_otherwise():
-            import numpy as np
-
-            raise DeviceError(
-                f"train.portable: numpy runs its {' '.join(wide)} loops, which PORTABLE_ENV cannot turn off in "
-                f"numpy {np.__version__}: it needs numpy >= 2.4 (pip install 'numpy>=2.4')"
-            )
         raise DeviceError(
             f"train.portable: numpy runs its {' '.join(wide)} loops; it needs NPY_DISABLE_CPU_FEATURES to name "
-            "them before numpy starts (PORTABLE_ENV names numpy >= 2.4's)"
+            "them before numpy starts (PORTABLE_ENV names them as numpy 2.0 and later call them)"
         )
     exact_math()
 

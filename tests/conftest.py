@@ -85,14 +85,3 @@ def tiny_llama_module(vocab: int, ctx: int):
             return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
     return LM()
-
-
-def portable_refuses_this_numpy() -> bool:
-    """Whether train.portable refuses this process's numpy: one older than 2.4 on a CPU with AVX-512 loops
-    (PORTABLE_ENV's NPY_DISABLE_CPU_FEATURES names numpy >= 2.4's targets; the floors venv has 2.0)."""
-    from qkgeom.device import numpy_names_loops_otherwise, numpy_wide_loops
-
-    return numpy_names_loops_otherwise() and bool(numpy_wide_loops())
-
-
-OLD_NUMPY_REFUSED = "train.portable refuses numpy < 2.4 on this AVX-512 CPU (its refusal is tested apart)"

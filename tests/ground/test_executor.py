@@ -8,7 +8,6 @@ from qkgeom.families.config import load_pretrained
 from qkgeom.results import RunDir
 from qkgeom.training import grid as G
 from qkgeom.training import sweep as S
-from tests.conftest import OLD_NUMPY_REFUSED, portable_refuses_this_numpy
 from tests.training.test_sweep import write_sweep
 
 ray = pytest.importorskip("ray")
@@ -62,7 +61,6 @@ def test_ray_family_equals_local(tmp_path, local_ray):
     assert np.allclose(a["value"], b["value"], rtol=1e-6, equal_nan=True)
 
 
-@pytest.mark.skipif(portable_refuses_this_numpy(), reason=OLD_NUMPY_REFUSED)
 def test_ray_workers_run_portable_under_the_drivers_settings(tmp_path, local_ray, monkeypatch):
     """Ray's workers were started with the cluster (here before the settings were made): train.portable's
     settings travel with each task, so its runs take the portable kernels rather than being refused."""

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -28,7 +29,6 @@ from qkgeom.device import PORTABLE_ENV, DeviceError, check_portable, numpy_wide_
 from qkgeom.errors import ConfigError
 from qkgeom.results import RunDir
 from qkgeom.training.loop import train
-from tests.conftest import OLD_NUMPY_REFUSED, portable_refuses_this_numpy
 
 STAND_IN = {"MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ATEN_CPU_CAPABILITY": "default"}  # another CPU's kernels
 
@@ -50,7 +50,6 @@ def _same(a: tuple[list[float], np.ndarray], b: tuple[list[float], np.ndarray]) 
     return a[0] == b[0] and np.array_equal(a[1], b[1], equal_nan=True)
 
 
-@pytest.mark.skipif(portable_refuses_this_numpy(), reason=OLD_NUMPY_REFUSED)
 def test_a_portable_run_keeps_its_bits_on_another_cpus_kernels(wikitext, tmp_path):
     own, own_elsewhere = _train(tmp_path / "own", {}), _train(tmp_path / "own2", STAND_IN)
     assert not _same(own, own_elsewhere), "the stand-in for another CPU changed no kernel: the test proves nothing"
@@ -148,22 +147,33 @@ def test_portable_math_takes_no_estimate_of_the_silicon():
     assert refused.startswith("train.portable: torch.atan on CPU runs oneMKL code whose bits differ")
 
 
-def test_portable_is_refused_where_numpy_started_with_its_avx512_loops():
+NUMPY_VS_GLIBC = (
+    "import math, numpy as np\n"
+    "x = np.random.default_rng(0).uniform(0, 100, 200_000); y = x - 50\n"
+    "print(int((np.log(x) != [math.log(v) for v in x]).sum()), int((np.exp(y) != [math.exp(v) for v in y]).sum()),"
+    " int((np.power(x, 1.7) != [math.pow(v, 1.7) for v in x]).sum()))"
+)
+
+
+def test_portable_turns_off_numpys_avx512_loops_and_refuses_a_numpy_started_with_them():
     """numpy's AVX-512 float64 log, exp and power give other bits than the glibc calls it makes on an AVX2
-    CPU; PORTABLE_ENV turns them off, and a numpy that started before that is refused."""
+    CPU. PORTABLE_ENV names those loops as numpy 2.0-2.3 and numpy >= 2.4 call them (the floors venv runs
+    this with numpy 2.0.2): under it numpy computes glibc's bits, and a numpy that started before it is refused."""
     if not numpy_wide_loops():
-        pytest.skip("this CPU has no AVX-512: numpy has no wide loops to refuse here")
+        pytest.skip("this CPU has no AVX-512: numpy has no wide loops to turn off here")
+    own, portable = os.environ, {**os.environ, **PORTABLE_ENV}
+    differ = subprocess.run([sys.executable, "-c", NUMPY_VS_GLIBC], env=own, capture_output=True, text=True)
+    assert min(int(n) for n in differ.stdout.split()) > 0, differ.stdout  # the case built to fail: they differ
+    same = subprocess.run([sys.executable, "-c", NUMPY_VS_GLIBC], env=portable, capture_output=True, text=True)
+    assert same.stdout.split() == ["0", "0", "0"], same.stdout + same.stderr[-300:]
     code = (
         "import os, numpy\nfrom qkgeom.device import PORTABLE_ENV, check_portable\n"
         "os.environ.update(PORTABLE_ENV)\ncheck_portable()"
     )
-    env = {k: v for k, v in {**os.environ, **PORTABLE_ENV}.items() if k != "NPY_DISABLE_CPU_FEATURES"}
+    env = {k: v for k, v in portable.items() if k != "NPY_DISABLE_CPU_FEATURES"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
-    old = portable_refuses_this_numpy()  # numpy < 2.4 names its loops AVX512F, AVX512_SKX, ...
-    wide = "numpy runs its AVX512F" if old else "numpy runs its X86_V4"
-    assert r.returncode == 1 and f"DeviceError: train.portable: {wide}" in r.stderr, r.stderr[-500:]
-    r = subprocess.run([sys.executable, "-c", code], env={**os.environ, **PORTABLE_ENV}, capture_output=True, text=True)
-    if old:  # PORTABLE_ENV's names mean nothing to it: still refused, and the line says which numpy it needs
-        assert r.returncode == 1 and "it needs numpy >= 2.4" in r.stderr.splitlines()[-1], r.stderr
-    else:
-        assert r.returncode == 0, r.stderr[-500:]
+    line = r.stderr.splitlines()[-1] if r.stderr else ""
+    refused = re.fullmatch(r"(qkgeom\.device\.)?DeviceError: train\.portable: numpy runs its (X86_V4|AVX512F) .*", line)
+    assert r.returncode == 1 and refused, line
+    r = subprocess.run([sys.executable, "-c", code], env=portable, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-500:]
