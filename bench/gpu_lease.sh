@@ -85,6 +85,10 @@ run)
         date -u
         "$py" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__,
               "cuda", torch.version.cuda, [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])'
+        # the image's libraries against pyproject's floors: a failure below may be a version's, not the GPU's
+        "$py" -c 'import importlib.metadata as m
+print(", ".join(f"{p} {m.version(p)}" for p in ("numpy", "pandas", "pyarrow", "scipy", "matplotlib", "transformers",
+      "safetensors", "tqdm")))' || true
         command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
         nproc
     } 2>&1 | tee "$out/machine.txt"

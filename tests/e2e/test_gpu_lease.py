@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,8 @@ def test_a_lease_fits_the_call_and_runs_from_what_the_call_sends(tmp_path, wikit
              cwd=sent, env={**bare, "OUT": str(tmp_path / "out"), "PYTHON": sys.executable})  # fmt: skip
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     table = (tmp_path / "out" / "gpu_check.md").read_text()
+    machine = (tmp_path / "out" / "machine.txt").read_text()  # its libraries beside its GPU: a version can fail a row
+    assert f"numpy {version('numpy')}, pandas {version('pandas')}, pyarrow " in machine, machine
     rows = [r for r in table.splitlines() if r.startswith("| ") and not r.startswith("| check")]
     errors = [r for r in rows if "error:" in r]
     assert [r.split(" | ")[0] for r in errors] == ["| paper: bare step, eager", "| GPT-2-small width: bare step, eager"]
