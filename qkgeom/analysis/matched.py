@@ -75,17 +75,32 @@ def predicted_signs(arm: str) -> tuple[int, int]:
     return a.move, a.predicted
 
 
-def layer_means(df: pd.DataFrame, metric: str) -> pd.Series:
+class LayerMeans:
+    """The window means of one metric per (intervention, seed, layer), each layer's (seed x intervention)
+    table unstacked once and kept: a build reads arm - sham from them about 90 times."""
+
+    def __init__(self, means: pd.Series) -> None:
+        self.means = means
+        self._tables: dict[tuple[int, bool], pd.DataFrame] = {}
+
+    def table(self, layer: int, log: bool) -> pd.DataFrame:
+        """One layer's values (or their logs) as a table: seeds down, interventions across."""
+        if (layer, log) not in self._tables:
+            v = np.log(self.means) if log else self.means
+            self._tables[layer, log] = v.xs(layer, level="layer").unstack("intervention")
+        return self._tables[layer, log]
+
+
+def layer_means(df: pd.DataFrame, metric: str) -> LayerMeans:
     """Per (intervention, seed, layer): the window mean of the mean over the layer's heads of `metric`."""
     rows = window(df[(df["metric"] == metric) & (df["head"] >= 0) & (df["site"] == "none")], "post-transient")
     per_step = rows.groupby(["intervention", "seed", "layer", "step"])["value"].mean()
-    return per_step.groupby(["intervention", "seed", "layer"]).mean()
+    return LayerMeans(per_step.groupby(["intervention", "seed", "layer"]).mean())
 
 
-def paired(values: pd.Series, arm: str, ref: str, layer: int, log: bool = False) -> pd.Series:
-    """Per seed: arm - ref (or log(arm / ref)) at one layer of a Series indexed (intervention, seed, layer)."""
-    v = np.log(values) if log else values
-    wide = v.xs(layer, level="layer").unstack("intervention")
+def paired(values: LayerMeans, arm: str, ref: str, layer: int, log: bool = False) -> pd.Series:
+    """Per seed: arm - ref (or log(arm / ref)) at one layer."""
+    wide = values.table(layer, log)
     if arm not in wide or ref not in wide:
         return pd.Series(dtype=float)
     return (wide[arm] - wide[ref]).dropna()
@@ -104,7 +119,7 @@ def _row(v: pd.Series, claim: str, cid: str, layer: int | str, sign: int | None,
     return row
 
 
-def scale_check(std: pd.Series, arm: str, layer: int, note: str, held_out: bool = True) -> dict | None:
+def scale_check(std: LayerMeans, arm: str, layer: int, note: str, held_out: bool = True) -> dict | None:
     """log(arm / sham) of the per-row logit std at one layer: `scale matched` if its 90% interval lies
     inside +-log 1.05 (TOST), else `scale not matched`. held_out: whether the probe batch is text the
     closed loop never fitted on (a control set); if not, the detail says the check is an identity."""
@@ -124,7 +139,7 @@ def scale_check(std: pd.Series, arm: str, layer: int, note: str, held_out: bool 
     return row
 
 
-def scale_secondaries(values: dict[str, pd.Series], arm: str, layer: int, note: str) -> list[dict]:
+def scale_secondaries(values: dict[str, LayerMeans], arm: str, layer: int, note: str) -> list[dict]:
     """Disclosed, not gating: arm - sham at one layer in the other notions of scale (input-weighted logit
     variance in log, the CV of row std across queries) and, with a control set, the loop's own fit there
     (log row std on the control set: ~0 by construction, shown as what the controller wrote)."""
@@ -142,7 +157,7 @@ def scale_secondaries(values: dict[str, pd.Series], arm: str, layer: int, note: 
     return rows
 
 
-def dose_check(pr: pd.Series, arm: str, layer: int, note: str) -> dict | None:
+def dose_check(pr: LayerMeans, arm: str, layer: int, note: str) -> dict | None:
     """The delivered dose at one layer: log(arm / sham) of the per-head activation PR_K, judged on its
     intended side (`manipulation ok` / `manipulation failed`)."""
     v = paired(pr, arm, SHAM, layer, log=True)
@@ -218,7 +233,7 @@ def final_loss_rows(df: pd.DataFrame, metrics: pd.DataFrame, note: str) -> list[
 
 
 def reference_rows(
-    df: pd.DataFrame, ent: pd.Series, std: pd.Series, pr: pd.Series, layers: list[int], note: str
+    df: pd.DataFrame, ent: LayerMeans, std: LayerMeans, pr: LayerMeans, layers: list[int], note: str
 ) -> list[dict]:
     """The references' own rows: the sham's validity (none - sham per controlled layer: entropy, log row
     std, log PR_K) and the temperature arm against none per layer (the scale calibration)."""
@@ -260,7 +275,7 @@ def blind(claims: pd.DataFrame) -> pd.DataFrame:
     return claims[~claims["claim_id"].map(is_outcome)].reset_index(drop=True)
 
 
-def instant_vs_learned(df: pd.DataFrame, ent: pd.Series, layers: list[int], note: str) -> list[dict]:
+def instant_vs_learned(df: pd.DataFrame, ent: LayerMeans, layers: list[int], note: str) -> list[dict]:
     """Per closed-loop arm: its map's instantaneous entropy change on the none runs' own weights minus the
     sham map's (no training), and the learned effect = (arm - sham, trained) - that; means over the
     controlled layers, per seed."""

@@ -86,7 +86,7 @@ def test_the_dose_table_is_what_the_figure_draws():
     assert t.loc[(1, M.SHAM), "dose"] == 0 and t.loc[(1, M.SHAM), "entropy"] == 0
 
 
-def held_out_row_std(control_seqs: int, wikitext) -> pd.Series:  # noqa: ARG001 (the corpus must be there)
+def held_out_row_std(control_seqs: int, wikitext) -> M.LayerMeans:  # noqa: ARG001 (the corpus must be there)
     """Per (arm, seed, layer): the layer's mean per-row logit std on 32 held-out validation sequences of a
     small tied-init GPT (2 layers, d_model 64; tied, so queries lie along keys and the key shape moves the
     scale), after one closed-loop map fitted on `control_seqs` training sequences: the sham (ratio 1), a
@@ -116,7 +116,7 @@ def held_out_row_std(control_seqs: int, wikitext) -> pd.Series:  # noqa: ARG001 
             for layer in (0, 1):
                 rows.append((label, seed, layer, float(maps.batch_row_std(w_q[layer], w_k[layer], xs[layer]).mean())))
     df = pd.DataFrame(rows, columns=["intervention", "seed", "layer", "value"])
-    return df.set_index(["intervention", "seed", "layer"])["value"]
+    return M.LayerMeans(df.set_index(["intervention", "seed", "layer"])["value"])
 
 
 def test_the_held_out_scale_check_can_fail(wikitext):
