@@ -231,7 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
         "used as in training, and recorded as start_tokens in each revision's config.json)",
     )
     p.add_argument("--early-max-step", type=int, help="last step of the early window (default 1000)")
-    p.add_argument("--device", help="torch device to run the model on: cpu (default), cuda, cuda:N, mps")
+    p.add_argument(
+        "--device", help="torch device to run the model on: cpu (default), cuda, cuda:N (not mps: it has no float64)"
+    )
     _add_output_args(p, "RUNS/pretrained/<model>")
     _add_executor_args(p, "revisions one after another (default) or in parallel as Ray tasks")
     p.set_defaults(fn=cmd_pretrained)

@@ -28,7 +28,14 @@ if TYPE_CHECKING:  # torch is imported where it is used: config reads DEVICE_PAT
     import torch
 
 _CONVERTING: ContextVar[bool] = ContextVar("qkgeom_host_conversion", default=False)
-DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?|mps")
+DEVICE_PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+# Apple's GPUs: torch's MPS backend has no float64 (pytorch/pytorch#122602, closed as a known limit), and
+# qkgeom measures in it; a run there would stop at the first float64 it met (a divergence check, the first
+# probe), so it is refused at once
+NO_FLOAT64 = (
+    "Apple's MPS backend has no float64 (pytorch/pytorch#122602), in which qkgeom computes its probes, "
+    "divergence checks and spectrum controls: run on cpu or cuda"
+)
 
 
 class DeviceError(QKGeomError, ValueError):
@@ -164,13 +171,17 @@ def visible_gpus() -> list[str]:
 
 
 def available() -> list[str]:
-    """The devices this machine has: cpu, cuda:0 ... cuda:N-1, mps."""
+    """The devices this machine has that qkgeom can run on: cpu, cuda:0 ... cuda:N-1."""
     import torch
 
-    out = ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
-    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
-        out.append("mps")
-    return out
+    return ["cpu"] + [f"cuda:{i}" for i in range(torch.cuda.device_count())]
+
+
+def check_float64(device: str | torch.device, what: str) -> None:
+    """DeviceError in one line where `device` cannot hold float64 (mps: NO_FLOAT64)."""
+    kind = device if isinstance(device, str) else device.type
+    if kind.split(":")[0] == "mps":
+        raise DeviceError(f"{what} is on mps: {NO_FLOAT64}")
 
 
 # The settings under which a CPU run takes one float code path whatever the CPU, its vector width (AVX2 or
@@ -344,8 +355,9 @@ def rerun_portable(argv: list[str], replace: bool) -> int:
 def check_device(name: str, what: str = "device") -> str:
     """`name` if this machine has it (`cuda` means cuda:0), else DeviceError in one line naming it and
     what is available."""
+    check_float64(name, what)
     if not DEVICE_PATTERN.fullmatch(name):
-        raise DeviceError(f"{what} {name!r} is not a device (cpu, cuda, cuda:N or mps)")
+        raise DeviceError(f"{what} {name!r} is not a device (cpu, cuda or cuda:N)")
     have = available()
     wanted = "cuda:0" if name == "cuda" else name
     if wanted not in have:

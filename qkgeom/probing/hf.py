@@ -328,6 +328,7 @@ def analyse_model(
     from tqdm.auto import tqdm
 
     arch = arch_of(model)
+    D.check_float64(next(model.parameters()).device, "the model")
     bad = nonfinite_weights(model)
     if bad is not None:
         raise PretrainedError(f"the model's weights are not finite ({bad}): there is no geometry to measure")

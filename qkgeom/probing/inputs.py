@@ -24,6 +24,7 @@ def check_activations(
     tensor and what is wrong."""
     if not (len(qs) == len(ks) == len(pats)) or not qs:
         raise MeasureError(f"q, k and pattern give {len(qs)}, {len(ks)} and {len(pats)} layers")
+    D.check_float64(qs[0].device, "q")
     for i, (q, k, pat) in enumerate(zip(qs, ks, pats, strict=True)):
         if q.dim() != 4 or k.dim() != 4:
             raise MeasureError(f"layer {i}: q and k must be (B, H, T, E), got {tuple(q.shape)} and {tuple(k.shape)}")

@@ -171,6 +171,8 @@ class Probe:
             raise ProbeError(str(e)) from None
         self.capture = capture
         self.model = _unwrap(model) if capture else readable(model)
+        if (first := next(self.model.parameters(), None)) is not None:
+            D.check_float64(first.device, "qkgeom.Probe: the model")
         self.kind = "capture" if capture else _kind(self.model)
         self.batch, self.every, self.log_early = _input_ids(batch), every, log_early
         self.steps, self.last_step = steps, -1
@@ -332,6 +334,7 @@ class Probe:
         model = self.model
         was_training = model.training
         device = next(model.parameters()).device
+        D.check_float64(device, "qkgeom.Probe: the model")  # moved there after the Probe was made
         model.eval()
         try:
             if self.kind == "gpt":

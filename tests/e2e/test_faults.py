@@ -516,6 +516,9 @@ ZOO = [
     (["pretrained", "{reshaped}", "--text", "{text}"], "1 of another shape (transformer.h.0.attn.c_attn.weight)"),
     # issue 54: tracebacks, or something written, where one line belongs
     (["train", "tiny", "--set", "train.device='cuda:3'"], "'cuda:3' is not on this machine (available: cpu"),
+    # twenty-sixth session: mps passed validation on a Mac, and it has no float64 for the probes
+    (["train", "tiny", "--set", "train.device='mps'"], "train.device 'mps': Apple's MPS backend has no float64"),
+    (["pretrained", "{revs}/step_1", "--device", "mps"], "pretrained.device 'mps': Apple's MPS backend has no float64"),
     (["pretrained", "{badheads}", "--text", "{text}"], "must be divisible by num_heads"),
     (["pretrained", "{truncated}", "--text", "{text}"], "are truncated or corrupt"),
     (["pretrained", "{bigvocab}"], "beyond the 50-entry vocabulary"),

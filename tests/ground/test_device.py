@@ -165,6 +165,28 @@ def test_check_device_names_what_the_machine_has():
         D.check_device("tpu")
 
 
+def test_mps_is_refused_in_one_line_wherever_a_device_enters():
+    """Apple's MPS has no float64, which the probes, divergence checks and spectrum controls compute in: a
+    run there would stop at the first of them. Every way in names it at once (a torch.device("mps") can be
+    made on any machine; a model or tensor on it cannot here, so those paths are checked by their device)."""
+    from qkgeom import config as C
+    from qkgeom.errors import ConfigError
+    from qkgeom.families.config import load_pretrained
+
+    why = r"has no float64 \(pytorch/pytorch#122602\).*run on cpu or cuda$"
+    with pytest.raises(ConfigError, match=r"train.device 'mps': Apple's MPS backend " + why):
+        C.load("tiny", ["train.device='mps'"])
+    with pytest.raises(ConfigError, match=r"pretrained.device 'mps': Apple's MPS backend " + why):
+        load_pretrained(None, ["model='gpt2'", "device='mps'"])
+    with pytest.raises(D.DeviceError, match=r"^train.device is on mps: Apple's MPS backend " + why):
+        D.check_device("mps", "train.device")
+    with pytest.raises(D.DeviceError, match=r"^the model is on mps: "):
+        D.check_float64(torch.device("mps"), "the model")
+    for fine in ("cpu", "cuda", "cuda:1", torch.device("cpu"), torch.device("cuda", 0)):
+        D.check_float64(fine, "x")  # no error
+    assert "mps" not in D.available()
+
+
 def test_to_host_keeps_dtype_and_values():
     """float64 stays float64 (the geometry's precision), values exact."""
     t = torch.tensor([1.0, 2.0 / 3.0], dtype=torch.float64)
