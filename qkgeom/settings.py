@@ -163,7 +163,7 @@ class TrainConfig:
     (about 16 log-spaced steps and the last; each file holds weights and AdamW state, ~12 bytes per
     parameter: ~10 MB at the cpu preset, depth 4). Explicit steps: checkpoint_steps."""
     device: str = "cpu"
-    """Torch device (`cpu`, `cuda`)."""
+    """Torch device (`cpu`, `cuda`, `cuda:N`; not `mps`, which has no float64)."""
     precision: str = "auto"
     """Training matmuls: `float32`, `bf16` (autocast), or `auto` = bf16 on cuda, float32 elsewhere.
     Probes and geometry always run in float32 / float64. On cuda, TF32 and a fused AdamW are used."""

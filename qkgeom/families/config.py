@@ -62,8 +62,8 @@ class PretrainedConfig:
     early_max_step: int = EARLY_MAX_STEP
     """Last step of the early window of the family trend statistics."""
     device: str = "cpu"
-    """Torch device the model runs on (`cpu`, `cuda`, `cuda:N`, `mps`); geometry is the same on each
-    (float64 results within 1e-6 relative, tests/e2e/test_gpu.py), a GPU only faster."""
+    """Torch device the model runs on (`cpu`, `cuda`, `cuda:N`; not `mps`, which has no float64); geometry is
+    the same on each (float64 results within 1e-6 relative, tests/e2e/test_gpu.py), a GPU only faster."""
 
     @property
     def settings(self) -> ProbeSettings:
