@@ -255,6 +255,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run one command. Exit codes: 0 done, 2 bad input or a refused operation (one line on stderr,
     QKGeomError, an OS error such as a full disk, memory refused), 130 interrupted, 1 a bug (traceback)."""
     import os
+
+    if os.name == "nt":  # no SIGPIPE, no flock: README, "Where it runs"
+        print("qkgeom: error: qkgeom runs on Linux and macOS; on Windows, run it under WSL", file=sys.stderr)
+        return 2
+    return _run(argv)
+
+
+def _run(argv: list[str] | None) -> int:
+    """main() on a POSIX system."""
+    import os
     import signal
     import traceback
 

@@ -17,7 +17,6 @@ Every write is atomic (temp file + rename), so a killed run never leaves a half-
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import io
 import json
@@ -108,6 +107,8 @@ def folder_lock(folder: Path) -> Iterator[None]:
     killed, so a crashed run never leaves a stale lock, and a second process on the same folder is
     refused at once with the holder's pid in the message.
     """
+    import fcntl  # POSIX: here, so that importing qkgeom on Windows reaches the CLI's one-line refusal
+
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     f = open(folder / LOCK_FILE, "a+")  # noqa: SIM115 (held open for the block)

@@ -49,6 +49,19 @@ def test_a_bug_shows_its_traceback_and_exits_1(tmp_path):
     assert r.returncode == 1 and "Traceback" in r.stderr and "this is a bug in qkgeom" in r.stderr, r.stderr
 
 
+def test_windows_gets_one_line_not_a_traceback():
+    """Windows has no fcntl (the run-folder locks) and no SIGPIPE: `import qkgeom` must still work there and
+    the CLI say in one line where qkgeom runs (README, "Where it runs"). Stood in for by a process whose
+    fcntl cannot be imported and whose os.name reads "nt" (on the code before, it ran on into WindowsPath)."""
+    code = (
+        "import os, sys; sys.modules['fcntl'] = None\n"  # import fcntl now raises ImportError
+        "import qkgeom, qkgeom.results\nfrom qkgeom import cli\nos.name = 'nt'\nsys.exit(cli.main(['verdicts']))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert r.returncode == 2, r.stderr[-500:]
+    assert r.stderr == "qkgeom: error: qkgeom runs on Linux and macOS; on Windows, run it under WSL\n"
+
+
 @pytest.mark.parametrize("debug, traceback", [("", False), ("1", True)])
 def test_bad_input_is_one_line_unless_debugging(tmp_path, debug, traceback):
     import os
