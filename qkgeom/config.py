@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from qkgeom.arms import Arm, check_arm
-from qkgeom.device import DEVICE_PATTERN, NO_FLOAT64
+from qkgeom.device import device_name_problem
 from qkgeom.errors import ConfigError, read_text
 from qkgeom.settings import (  # noqa: F401 (the config types, C.RunConfig, ...: defined in qkgeom.settings)
     ALPHA_CONVENTIONS,
@@ -274,8 +274,7 @@ def validate(cfg: RunConfig) -> None:
     )
     need(m.n_ctx <= MAX_CTX, f"model.n_ctx must be <= {MAX_CTX} (learned positions, T x T probes), got {m.n_ctx}")
     need(m.init_std > 0, f"model.init_std must be positive, got {m.init_std}")
-    need(t.device != "mps", f"train.device 'mps': {NO_FLOAT64}")
-    need(DEVICE_PATTERN.fullmatch(t.device) is not None, f"train.device must be cpu, cuda or cuda:N, got {t.device!r}")
+    need((wrong := device_name_problem(t.device)) is None, f"train.device {wrong}")
     need(t.threads >= 0, f"train.threads must be >= 0 (0 = torch's default), got {t.threads}")
     need(not t.portable or t.device == "cpu", f"train.portable is for CPU runs, got train.device={t.device!r}")
     need(not (t.portable and t.compile), "train.portable runs eager: torch.compile builds kernels for this CPU")

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from qkgeom.errors import QKGeomError
 
-if TYPE_CHECKING:  # torch is imported where it is used: config reads DEVICE_PATTERN without it
+if TYPE_CHECKING:  # torch is imported where it is used: config reads device_name_problem without it
     import numpy as np
     import torch
 
@@ -36,6 +36,17 @@ NO_FLOAT64 = (
     "Apple's MPS backend has no float64 (pytorch/pytorch#122602), in which qkgeom computes its probes, "
     "divergence checks and spectrum controls: run on cpu or cuda"
 )
+
+
+def device_name_problem(name: str) -> str | None:
+    """What a config's device setting `name` says wrongly (to follow the setting's name in its one-line
+    error), or None: `mps` (NO_FLOAT64), or no name of cpu, cuda, cuda:N. Whether this machine has it is
+    check_device's question, asked when the device is used."""
+    if name == "mps":
+        return f"'mps': {NO_FLOAT64}"
+    if not DEVICE_PATTERN.fullmatch(name):
+        return f"must be cpu, cuda or cuda:N, got {name!r}"
+    return None
 
 
 class DeviceError(QKGeomError, ValueError):

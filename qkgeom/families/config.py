@@ -17,7 +17,7 @@ from qkgeom.config import (
     build_dataclass,
     resolve_preset,
 )
-from qkgeom.device import DEVICE_PATTERN, NO_FLOAT64
+from qkgeom.device import device_name_problem
 from qkgeom.errors import read_text
 
 
@@ -95,11 +95,7 @@ def load_pretrained(path: str | Path | None = None, overrides: list[str] | None 
     need(pc.n_tokens > 0, f"pretrained.n_tokens must be positive, got {pc.n_tokens}")
     need(pc.seq_len > 1, f"pretrained.seq_len must be > 1, got {pc.seq_len}")
     need(pc.batch_size > 0, f"pretrained.batch_size must be positive, got {pc.batch_size}")
-    need(pc.device != "mps", f"pretrained.device 'mps': {NO_FLOAT64}")
-    need(
-        DEVICE_PATTERN.fullmatch(pc.device) is not None,
-        f"pretrained.device must be cpu, cuda or cuda:N, got {pc.device!r}",
-    )
+    need((wrong := device_name_problem(pc.device)) is None, f"pretrained.device {wrong}")
     need(pc.every >= 1, f"pretrained.every must be >= 1, got {pc.every}")
     need(pc.early_max_step >= 0, f"pretrained.early_max_step must be >= 0, got {pc.early_max_step}")
     need(pc.family in ("", "pythia"), f"pretrained.family must be 'pythia' or empty, got {pc.family!r}")
