@@ -52,7 +52,7 @@ def test_a_bug_shows_its_traceback_and_exits_1(tmp_path):
 def test_windows_gets_one_line_not_a_traceback():
     """Windows has no fcntl (the run-folder locks) and no SIGPIPE: `import qkgeom` must still work there and
     the CLI say in one line where qkgeom runs (README, "Where it runs"). Stood in for by a process whose
-    fcntl cannot be imported and whose os.name reads "nt" (on the code before, it ran on into WindowsPath)."""
+    fcntl cannot be imported and whose os.name reads "nt" (on the code before, it failed at `import fcntl`)."""
     code = (
         "import os, sys; sys.modules['fcntl'] = None\n"  # import fcntl now raises ImportError
         "import qkgeom, qkgeom.results\nfrom qkgeom import cli\nos.name = 'nt'\nsys.exit(cli.main(['verdicts']))"
