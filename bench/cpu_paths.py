@@ -68,7 +68,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import require_wikitext  # noqa: E402
 
-from qkgeom.device import PORTABLE_ENV  # noqa: E402
+from qkgeom.device import PORTABLE_ENV, kernel_capability  # noqa: E402
 from qkgeom.results import RunDir  # noqa: E402
 
 PATHS = {  # name: (environment, further arguments of `qkgeom train`)
@@ -213,7 +213,7 @@ def main() -> None:
     if a.compare:
         return compare(*a.compare, a.out)
     require_wikitext()
-    capability = torch.backends.cpu.get_cpu_capability()
+    capability = kernel_capability()
     paths = {k: v for k, v in PATHS.items() if not (k == "aten-avx2" and capability in ("DEFAULT", "AVX2"))}
     if a.portable_only or a.emulate:
         paths = {"portable": PATHS["portable"]}

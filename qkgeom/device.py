@@ -319,11 +319,18 @@ def numpy_wide_loops() -> list[str]:
     return [t for t in __cpu_dispatch__ if t.startswith(("X86_V4", "AVX512")) and __cpu_features__.get(t)]
 
 
+def kernel_capability() -> str:
+    """The vector width torch's own CPU kernels run at (torch.backends.cpu.get_cpu_capability()), their
+    scalar default called "DEFAULT" whatever the torch: torch 2.6 on x86 still calls it "NO AVX"."""
+    import torch
+
+    capability = torch.backends.cpu.get_cpu_capability()
+    return "DEFAULT" if capability == "NO AVX" else capability
+
+
 def check_portable() -> None:
     """DeviceError in one line unless this process runs under PORTABLE_ENV, torch included (it reads
     ATEN_CPU_CAPABILITY when it starts: a setting made after `import torch` comes too late)."""
-    import torch
-
     missing = portable_env_missing()
     if missing:
         wanted = " ".join(f"{k}={v}" for k, v in missing.items())
@@ -331,7 +338,7 @@ def check_portable() -> None:
             f"train.portable needs {wanted} in the environment before torch starts: run it through "
             "`qkgeom train|sweep|study --portable`, or set them before Python imports torch"
         )
-    capability = torch.backends.cpu.get_cpu_capability()
+    capability = kernel_capability()
     if capability != "DEFAULT":
         raise DeviceError(
             f"train.portable: torch started before ATEN_CPU_CAPABILITY=default was set and runs its kernels at "

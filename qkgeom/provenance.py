@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from qkgeom.config import REPO_ROOT
-from qkgeom.device import PORTABLE_ENV
+from qkgeom.device import PORTABLE_ENV, kernel_capability
 
 
 def package_version() -> str:
@@ -37,9 +37,7 @@ CPU_ISA = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_tile")  # the features 
 def cpu() -> dict[str, Any]:
     """The CPU a result was made on: model and vendor, the features its kernels are chosen by (Linux:
     /proc/cpuinfo; elsewhere the model from platform.processor() only), and the vector width torch's own
-    kernels run at on it (torch.backends.cpu.get_cpu_capability())."""
-    import torch  # here, not at the top: the analysis commands import this module and need no torch
-
+    kernels run at on it (device.kernel_capability: torch's name, its scalar default "DEFAULT")."""
     info: dict[str, str] = {}
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -51,7 +49,7 @@ def cpu() -> dict[str, Any]:
         "model": info.get("model name") or platform.processor() or None,
         "vendor": info.get("vendor_id"),
         "isa": [f for f in CPU_ISA if f in flags],
-        "torch_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_capability": kernel_capability(),
     }
 
 

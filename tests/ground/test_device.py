@@ -187,6 +187,14 @@ def test_mps_is_refused_in_one_line_wherever_a_device_enters():
     assert "mps" not in D.available()
 
 
+def test_the_kernel_capability_calls_torchs_default_kernels_one_name(monkeypatch):
+    """torch 2.6 on x86 calls its scalar default kernels "NO AVX", torch 2.13 "DEFAULT": train.portable
+    and the provenance read one name (under 2.6 portable was refused as "runs its kernels at NO AVX")."""
+    for torch_says, read in (("NO AVX", "DEFAULT"), ("DEFAULT", "DEFAULT"), ("AVX2", "AVX2"), ("AVX512", "AVX512")):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda v=torch_says: v)
+        assert D.kernel_capability() == read
+
+
 def test_to_host_keeps_dtype_and_values():
     """float64 stays float64 (the geometry's precision), values exact."""
     t = torch.tensor([1.0, 2.0 / 3.0], dtype=torch.float64)
@@ -262,18 +270,22 @@ def test_the_probe_callback_path_converts_only_through_the_door(tmp_path):
 
 def test_matmul_precision_sets_and_gives_back_through_the_callers_api():
     """device.matmul_precision on both of torch's APIs: the global one (set_float32_matmul_precision)
-    and the per-backend one, whose use makes torch refuse to read the global one (torch >= 2.9)."""
+    and the per-backend one, whose use makes torch refuse to read the global one (torch >= 2.9; before,
+    only the global one is there to test)."""
     import torch
 
     from qkgeom.device import matmul_precision
 
+    per_backend = hasattr(torch.backends.mkldnn, "matmul")
     try:
         torch.set_float32_matmul_precision("medium")
         with matmul_precision("high"):
             assert torch.get_float32_matmul_precision() == "high"
-            assert torch.backends.cuda.matmul.fp32_precision == "tf32"
+            assert not per_backend or torch.backends.cuda.matmul.fp32_precision == "tf32"
         assert torch.get_float32_matmul_precision() == "medium"
         torch.set_float32_matmul_precision("highest")
+        if not per_backend:
+            return
         torch.backends.mkldnn.matmul.fp32_precision = "bf16"  # per backend: the global getter now refuses
         with pytest.raises(RuntimeError):
             torch.get_float32_matmul_precision()
@@ -283,7 +295,8 @@ def test_matmul_precision_sets_and_gives_back_through_the_callers_api():
         assert (torch.backends.mkldnn.matmul.fp32_precision, torch.backends.cuda.matmul.fp32_precision) == (
             "bf16", "ieee")  # fmt: skip
     finally:
-        torch.backends.mkldnn.matmul.fp32_precision = "ieee"
+        if per_backend:
+            torch.backends.mkldnn.matmul.fp32_precision = "ieee"
         torch.set_float32_matmul_precision("highest")
     assert torch.get_float32_matmul_precision() == "highest"
 
