@@ -7,20 +7,21 @@ export QKGEOM_WIKITEXT_DIR ?= $(abspath ../shared/data/wikitext)
 
 .PHONY: setup test test-floors lint study bench
 
-# torch's CPU build into the venv of python $(1): from a configured index or local wheel if one has it,
-# else from PyTorch's CPU index (PyPI's plain 2.13.0 is a CUDA build of several GB); macOS has only the
-# plain build
+# torch $(2)'s CPU build into the venv of python $(1): from a configured index or local wheel if one has
+# it, else from PyTorch's CPU index, else PyPI's plain build (on Linux a CUDA build of several GB, which
+# runs on a CPU as well; macOS has only the plain build)
 define install_torch
-	$(1) -m pip install -q 'torch==2.13.0+cpu' 2>/dev/null \
-	  || $(1) -m pip install -q 'torch==2.13.0+cpu' --index-url https://download.pytorch.org/whl/cpu \
-	  || $(1) -m pip install -q torch==2.13.0
+	$(1) -m pip install -q 'torch==$(2)+cpu' 2>/dev/null \
+	  || $(1) -m pip install -q 'torch==$(2)+cpu' --index-url https://download.pytorch.org/whl/cpu \
+	  || $(1) -m pip install -q torch==$(2)
 endef
+TORCH := 2.13.0
 
 # The main job's install: the package and its core dependencies (torch, numpy, pandas, matplotlib, ...).
 $(VENV)/.core: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(call install_torch,$(PY))
+	$(call install_torch,$(PY),$(TORCH))
 	$(PY) -m pip install -q -e .
 	touch $@
 
@@ -40,18 +41,20 @@ lint: setup
 test: lint
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist worksteal
 
-# The same tests under the lowest versions pyproject.toml allows (.ci/floors.txt), in a venv of their
-# own: the parts that read what those libraries compute (statistics and the committed records, pretrained
-# architectures, families, stored tables, the Trainer and Lightning callbacks and the trackers, the Trainer
-# example, portable kernels). QKGEOM_FLOORS makes
-# tests/e2e/test_install.py check that the venv holds exactly the pinned versions.
+# The same tests under the lowest versions pyproject.toml allows (.ci/floors.txt, torch included), in a
+# venv of their own: the parts that read what those libraries compute (statistics and the committed
+# records, pretrained architectures, families, stored tables, the Trainer and Lightning callbacks and the
+# trackers, the Trainer example, portable kernels, torch's settings, our GPT and its interventions).
+# QKGEOM_FLOORS makes tests/e2e/test_install.py check that the venv holds exactly the pinned versions.
 FLOORS_VENV ?= .venv-floors
 FLOOR_TESTS ?= tests/e2e/test_install.py tests/e2e/test_examples.py tests/analysis tests/probing tests/families \
-  tests/integrations tests/ground/test_portable.py
+  tests/integrations tests/ground/test_portable.py tests/ground/test_device.py tests/training/test_model.py \
+  tests/training/test_interventions.py
+TORCH_FLOOR := $(shell sed -n 's/^torch==//p' .ci/floors.txt)
 $(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.txt
 	python3 -m venv $(FLOORS_VENV)
 	$(FLOORS_VENV)/bin/python -m pip install -q --upgrade pip
-	$(call install_torch,$(FLOORS_VENV)/bin/python)
+	$(call install_torch,$(FLOORS_VENV)/bin/python,$(TORCH_FLOOR))
 	$(FLOORS_VENV)/bin/python -m pip install -q -c .ci/floors.txt -e '.[dev]'
 	touch $@
 
