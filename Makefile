@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # Real WikiText-2 text used by tests, benchmarks and presets (see ../shared/data/wikitext/README.md).
 export QKGEOM_WIKITEXT_DIR ?= $(abspath ../shared/data/wikitext)
 
-.PHONY: setup test test-floors lint study bench
+.PHONY: setup floors-torch test test-floors lint study bench
 
 # torch $(2)'s CPU build into the venv of python $(1): from a configured index or local wheel if one has
 # it, else from PyTorch's CPU index, else PyPI's plain build (on Linux a CUDA build of several GB, which
@@ -51,12 +51,18 @@ FLOOR_TESTS ?= tests/e2e/test_install.py tests/e2e/test_examples.py tests/analys
   tests/integrations tests/ground/test_portable.py tests/ground/test_device.py tests/training/test_model.py \
   tests/training/test_interventions.py
 TORCH_FLOOR := $(shell sed -n 's/^torch==//p' .ci/floors.txt)
-$(FLOORS_VENV)/.installed: pyproject.toml .ci/floors.txt
+# torch first, on its own (CI installs it beside `make setup`: it touches nothing of the checkout's)
+$(FLOORS_VENV)/.torch: .ci/floors.txt
 	python3 -m venv $(FLOORS_VENV)
 	$(FLOORS_VENV)/bin/python -m pip install -q --upgrade pip
 	$(call install_torch,$(FLOORS_VENV)/bin/python,$(TORCH_FLOOR))
+	touch $@
+
+$(FLOORS_VENV)/.installed: pyproject.toml $(FLOORS_VENV)/.torch
 	$(FLOORS_VENV)/bin/python -m pip install -q -c .ci/floors.txt -e '.[dev]'
 	touch $@
+
+floors-torch: $(FLOORS_VENV)/.torch
 
 test-floors: $(FLOORS_VENV)/.installed
 	QKGEOM_FLOORS=1 $(FLOORS_VENV)/bin/python -m pytest -q -n auto --maxprocesses 4 --dist worksteal $(FLOOR_TESTS)
