@@ -167,7 +167,7 @@ def cmd_study(args: argparse.Namespace) -> int:
 
 def cmd_pretrained(args: argparse.Namespace) -> int:
     """`qkgeom pretrained`: a Hugging Face model or checkpoint family, measured and reported."""
-    from qkgeom.probing.archs import check_model_type
+    from qkgeom.probing.archs import check_model_type, resolve_revision
 
     for rev in args.revision or [None]:  # an unsupported local model: one line at once, nothing imported
         check_model_type(args.model, rev)
@@ -190,6 +190,9 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
     from qkgeom.families.config import load_pretrained
 
     pc = load_pretrained(args.config, overrides)
+    if not (pc.all_revisions or pc.family):  # one model folder, or one a revision: refused before the imports
+        for rev in pc.revisions or [None]:
+            resolve_revision(pc.model, rev)
     from transformers.utils import logging as hf_logging
 
     from qkgeom.analysis.families import family_tables

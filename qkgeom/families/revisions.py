@@ -87,7 +87,7 @@ def analyse_revision(
     pc: PretrainedConfig, revision: str | None, out: Path, tokens_fn: TokensFn, progress: bool = False
 ) -> Path:
     """Analyse one revision of pc.model into `out/<revision>/` unless already done; returns the folder."""
-    from qkgeom.probing.hf import analyse_model, load_model, resolve_revision, token_batches, weights_digest
+    from qkgeom.probing.hf import analyse_model, load_model, token_batches, weights_digest
 
     rev = revision or "main"
     rd = RunDir(out / C.safe_name(rev))  # `refs/pr/1` or `../x` stay inside `out` (config.json keeps the name)
@@ -97,7 +97,7 @@ def analyse_revision(
     model = load_model(pc.model, revision).to(device)
     limit = archs.context_length(model)
     seq_len = min(pc.seq_len, limit) if limit else pc.seq_len  # e.g. our exported runs have n_ctx < 256
-    path, _ = resolve_revision(pc.model, revision)
+    path, _ = archs.resolve_revision(pc.model, revision)
     tokens, prefix = tokens_fn(path)
     n_vocab = model.get_input_embeddings().num_embeddings
     top = max([int(tokens.max()) if len(tokens) else -1, *prefix])

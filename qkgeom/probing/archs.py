@@ -268,6 +268,25 @@ def check_model_type(name: str, revision: str | None = None) -> None:
             )
 
 
+def resolve_revision(name: str, revision: str | None) -> tuple[str, str | None]:
+    """A local folder holding one sub-folder per revision (e.g. an exported qkgeom run) maps
+    (folder, revision) to (folder/revision, None); hub names pass through unchanged. A local folder that
+    holds no config.json where the model should be is refused here, from the file system alone (it was
+    refused after 7 s of imports)."""
+    p = Path(name)
+    if not p.is_dir():
+        return name, revision
+    subs = sorted(d.name for d in p.iterdir() if (d / "config.json").is_file())  # e.g. an export's steps
+    if revision is not None:
+        if (p / revision / "config.json").is_file():
+            return str(p / revision), None
+        raise PretrainedError(f"revision {revision!r} does not exist in {p} (available: {', '.join(subs) or 'none'})")
+    if not (p / "config.json").is_file():
+        hint = f"; its revisions {', '.join(subs[:3])}{', ...' * (len(subs) > 3)} are read with --all-revisions"
+        raise PretrainedError(f"{name} has no config.json: not a Hugging Face model folder{hint if subs else ''}")
+    return name, revision
+
+
 # Where a metric exists at several sites, the one that describes what the model computes: for
 # q/k-norm models the weight metrics with the norm gains folded in (`norm_folded`), for rotary
 # models the q/k that enter the scores (`post_rotary`).

@@ -34,6 +34,7 @@ from qkgeom.probing.archs import (
     arch_of,
     check_model_type,
     context_length,
+    resolve_revision,
 )
 from qkgeom.probing.probe import GeometryAccumulator, nonfinite_weights, weight_geometry
 
@@ -153,18 +154,6 @@ def estimate_bytes(config) -> int:
     return 4 * sum(p.numel() for p in model.parameters())
 
 
-def resolve_revision(name: str, revision: str | None) -> tuple[str, str | None]:
-    """A local folder holding one sub-folder per revision (e.g. an exported qkgeom run) maps
-    (folder, revision) to (folder/revision, None); hub names pass through unchanged."""
-    p = Path(name)
-    if revision is None or not p.is_dir():
-        return name, revision
-    if (p / revision / "config.json").is_file():
-        return str(p / revision), None
-    avail = sorted(d.name for d in p.iterdir() if (d / "config.json").is_file())
-    raise PretrainedError(f"revision {revision!r} does not exist in {p} (available: {', '.join(avail) or 'none'})")
-
-
 def _load_error(name: str, revision: str | None, e: Exception) -> PretrainedError:
     """One line: transformers' first line, and what to do where the hub was out of reach."""
     from huggingface_hub import constants
@@ -199,15 +188,11 @@ def hf_quiet() -> Iterator[None]:
 def load_model(name: str, revision: str | None = None, memory_limit: int | None = None) -> nn.Module:
     """A Hugging Face model by hub name (+ revision, cached by transformers) or local folder, in float32,
     routed through the qkgeom attention. Fails before loading if it cannot fit in memory."""
-    check_model_type(name, revision)  # a local unsupported model: refused before transformers is imported
+    check_model_type(name, revision)  # a local unsupported model or folder: refused before transformers is imported
+    name, revision = resolve_revision(name, revision)
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     _register()
-    name, revision = resolve_revision(name, revision)
-    if Path(name).is_dir() and not (Path(name) / "config.json").is_file():
-        subs = sorted(d.name for d in Path(name).iterdir() if (d / "config.json").is_file())  # an export's steps
-        hint = f"; its revisions {', '.join(subs[:3])}{', ...' * (len(subs) > 3)} are read with --all-revisions"
-        raise PretrainedError(f"{name} has no config.json: not a Hugging Face model folder{hint if subs else ''}")
     try:
         config = AutoConfig.from_pretrained(name, revision=revision)
     except Exception as e:  # noqa: BLE001 - parsing the user's config.json: its validators raise several types

@@ -77,20 +77,28 @@ def test_bad_input_is_one_line_unless_debugging(tmp_path, debug, traceback):
 def test_a_refused_config_and_the_reading_commands_never_import_torch(tmp_path):
     """Importing torch takes 1.6 s of a 2-4 s command. A config `qkgeom train` refuses, `qkgeom report` (the
     analysis and the figures) and `qkgeom verdicts` on a committed study need none of it (torch comes in only
-    to count the parameters of runs recorded before done.json kept that count). Checked structurally, not
-    timed: in one process, every command done, torch must not be in sys.modules."""
+    to count the parameters of runs recorded before done.json kept that count), nor does `qkgeom pretrained`
+    on a folder that holds no model (it said so after 7 s of torch and transformers). Checked structurally,
+    not timed: in one process, every command done, neither may be in sys.modules."""
     import shutil
 
     study = tmp_path / "results" / "study-trainer-gpt2"
     shutil.copytree(REPO / "docs" / "results" / study.name, study)
+    (tmp_path / "export" / "step_1").mkdir(parents=True)  # an export's layout, read without --all-revisions
+    (tmp_path / "export" / "step_1" / "config.json").write_text('{"model_type": "gpt2"}')
     code = (
         "import sys; from qkgeom.cli import main; "
         "rcs = [main(['train', 'tiny', '--set', 'model.dropout=0.1']), main(['report', sys.argv[1]]), "
-        "main(['verdicts', sys.argv[2]])]; print(rcs, 'torch' in sys.modules)"
+        "main(['verdicts', sys.argv[2]]), main(['pretrained', sys.argv[3]]), "
+        "main(['pretrained', sys.argv[3], '--revision', 'step_2'])]; "
+        "print(rcs, 'torch' in sys.modules, 'transformers' in sys.modules)"
     )
-    r = subprocess.run([sys.executable, "-c", code, str(study), str(study.parent)], capture_output=True, text=True)
-    assert r.stdout.splitlines()[-1] == "[2, 0, 0] False", r.stdout[-2000:] + r.stderr[-2000:]
+    argv = [str(study), str(study.parent), str(tmp_path / "export")]
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert r.stdout.splitlines()[-1] == "[2, 0, 0, 2, 2] False False", r.stdout[-2000:] + r.stderr[-2000:]
     assert "unknown config key 'model.dropout'" in r.stderr
+    assert "export has no config.json: not a Hugging Face model folder; its revisions step_1 are read" in r.stderr
+    assert "revision 'step_2' does not exist in " in r.stderr and "(available: step_1)" in r.stderr
     assert (study / "report" / "index.html").is_file() and (study.parent / "VERDICTS.md").is_file()
 
 
