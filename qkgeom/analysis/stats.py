@@ -1,6 +1,6 @@
 """Pure statistics for the claims table: arrays in, numbers out (scipy underneath).
 
-- slope:                 OLS slope of y on x (scipy.stats.linregress).
+- slope:                 OLS slope of y on x (scipy.stats.linregress's formula, through np.cov).
 - slopes:                the same for several y at once (stacked np.cov; the same bits, one call).
 - t_mean_ci:             Student-t CI of the mean over independent units (seeds); exact coverage for
                          normal data at any n >= 2, which a percentile bootstrap lacks at n = 4-5 (~80%).
@@ -38,11 +38,10 @@ from scipy import stats as S
 
 
 def slope(x: np.ndarray, y: np.ndarray) -> float:
-    """OLS slope of y against x; NaN with fewer than two distinct x."""
-    x, y = np.asarray(x, float), np.asarray(y, float)
-    if len(np.unique(x)) < 2:
-        return math.nan
-    return float(S.linregress(x, y).slope)
+    """OLS slope of y against x; NaN with fewer than two distinct x. One row of `slopes`: cov(x, y) / var(x)
+    from one np.cov call, as scipy's linregress computed it up to 1.17 (1.18 computes it otherwise, with
+    other last bits, which moved a committed table's 12th digit): the same bits under any scipy."""
+    return float(slopes(x, np.asarray(y, float)[None])[0])
 
 
 # np.cov and np.corrcoef over a few stacked rows give each entry the bits of the same call on two rows:

@@ -183,6 +183,24 @@ def _same(a: float, b: float) -> bool:
     return (np.isnan(a) and np.isnan(b)) or abs(a - b) <= 1e-13 * max(1.0, abs(b))
 
 
+def test_a_slope_has_the_same_bits_under_any_scipy(monkeypatch):
+    """scipy 1.18 rewrote linregress (a dot product of centred vectors in place of np.cov), which moved one
+    committed value in its 12th digit (ladder-cpu's claims.csv, under Python 3.12 with scipy 1.18.1).
+    slope is cov(x, y) / var(x) from one np.cov call, linregress's formula up to 1.17, and never calls it."""
+
+    def refused(*args, **kwargs):
+        raise AssertionError("stats.slope called scipy's linregress")
+
+    monkeypatch.setattr(sp_stats, "linregress", refused)
+    assert stats.slope([0.0, 1.0, 2.0, 3.0], [1.0, 4.0, 7.0, 10.0]) == 3.0  # exact in binary
+    rng = np.random.default_rng(3)
+    for n in range(2, 60):
+        x, y = rng.uniform(0, 1, n), rng.normal(0, 1, n) * 10.0 ** rng.uniform(-3, 3)
+        c = np.cov(x, y, bias=1)  # scipy 1.17's linregress: ssxm, ssxym, _, ssym = np.cov(x, y, bias=1).flat
+        assert stats.slope(x, y) == c[0, 1] / c[0, 0]
+    assert np.isnan(stats.slope([1.0, 1.0, 1.0], [1.0, 2.0, 3.0])) and np.isnan(stats.slope([0.0, 1.0], [0.0, np.nan]))
+
+
 def test_stacked_slopes_and_rank_correlations_equal_scipys_one_at_a_time():
     """slopes, spearman_pairs and comovement_excess's cross-correlations stack several series in one
     numpy call (what made `qkgeom analyze` 1.9x faster); each value must be scipy's linregress slope,
