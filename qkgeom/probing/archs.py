@@ -276,15 +276,15 @@ def resolve_revision(name: str, revision: str | None) -> tuple[str, str | None]:
     p = Path(name)
     if not p.is_dir():
         return name, revision
+    if revision is not None and (p / revision / "config.json").is_file():
+        return str(p / revision), None
+    if revision is None and (p / "config.json").is_file():
+        return name, revision
     subs = sorted(d.name for d in p.iterdir() if (d / "config.json").is_file())  # e.g. an export's steps
     if revision is not None:
-        if (p / revision / "config.json").is_file():
-            return str(p / revision), None
         raise PretrainedError(f"revision {revision!r} does not exist in {p} (available: {', '.join(subs) or 'none'})")
-    if not (p / "config.json").is_file():
-        hint = f"; its revisions {', '.join(subs[:3])}{', ...' * (len(subs) > 3)} are read with --all-revisions"
-        raise PretrainedError(f"{name} has no config.json: not a Hugging Face model folder{hint if subs else ''}")
-    return name, revision
+    hint = f"; its revisions {', '.join(subs[:3])}{', ...' * (len(subs) > 3)} are read with --all-revisions"
+    raise PretrainedError(f"{name} has no config.json: not a Hugging Face model folder{hint if subs else ''}")
 
 
 # Where a metric exists at several sites, the one that describes what the model computes: for
