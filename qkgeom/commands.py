@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from qkgeom import config as C
+from qkgeom.errors import QKGeomError
 from qkgeom.studies import records_dir, sweep_study
 
 
@@ -37,6 +38,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     """`qkgeom sweep`: a grid of runs; exit 1 if any run failed."""
     _, _, res = sweep_study(args)
     return 1 if res is not None and res.failed else 0
+
+
+def _folder(path: str) -> None:
+    """A reading command's DIR, refused before the analysis' imports (pandas, scipy, matplotlib: 1.4 s)."""
+    if not Path(path).is_dir():
+        raise QKGeomError(f"{path} is not a folder")
 
 
 def _analyze(path: str | Path):
@@ -71,6 +78,7 @@ def _ladder(path: str | Path, report: bool = False) -> bool:
 
 def cmd_analyze(args: argparse.Namespace) -> int:
     """`qkgeom analyze`: the judged tables of a folder of runs (no report code is imported)."""
+    _folder(args.dir)
     from qkgeom.analysis.study import format_claims
 
     if _ladder(args.dir):
@@ -89,6 +97,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
 def cmd_verdicts(args: argparse.Namespace) -> int:
     """`qkgeom verdicts`: DIR/VERDICTS.md from every committed study's primaries."""
+    _folder(args.dir)
     from qkgeom.analysis.verdict_index import terminal_summary, verdicts_index
     from qkgeom.results import atomic_write_bytes
 
@@ -121,6 +130,7 @@ def cmd_amend(args: argparse.Namespace) -> int:
 
 def cmd_report(args: argparse.Namespace) -> int:
     """`qkgeom report`: the HTML report of a study, a run, a ladder or a `qkgeom pretrained` folder."""
+    _folder(args.dir)
     from qkgeom.analysis.families import family_tables
     from qkgeom.report.family import family_study_section, write_family_report
     from qkgeom.report.study import write_report

@@ -102,6 +102,28 @@ def test_a_refused_config_and_the_reading_commands_never_import_torch(tmp_path):
     assert (study / "report" / "index.html").is_file() and (study.parent / "VERDICTS.md").is_file()
 
 
+def test_a_reading_command_on_no_folder_refuses_before_numpy(tmp_path):
+    """`qkgeom analyze /no/such` (or report, verdicts, or a file in place of the folder) said so after 1.4-1.9 s
+    of pandas, scipy and matplotlib. The folder is checked first: the same line, and no numerical library
+    imported (checked structurally, in one process, not timed)."""
+    afile = tmp_path / "notes.txt"
+    afile.write_text("not a folder")
+    code = (
+        "import sys; from qkgeom.cli import main; "
+        "rcs = [main(['analyze', sys.argv[1]]), main(['report', sys.argv[1]]), main(['verdicts', sys.argv[2]])]; "
+        "print(rcs, [m for m in ('numpy', 'pandas', 'scipy', 'matplotlib') if m in sys.modules])"
+    )
+    argv = [str(tmp_path / "no-such"), str(afile)]
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert r.stdout.splitlines()[-1] == "[2, 2, 2] []", r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stderr.splitlines() == [
+        f"qkgeom analyze: error: {tmp_path / 'no-such'} is not a folder",
+        f"qkgeom report: error: {tmp_path / 'no-such'} is not a folder",
+        f"qkgeom verdicts: error: {afile} is not a folder",
+    ]
+    assert afile.read_text() == "not a folder" and not (tmp_path / "no-such").exists()
+
+
 def test_train_ends_with_where_it_got_and_what_to_run_next(tmp_path, wikitext):
     """`qkgeom train` ended with the folder only. Now: the final validation loss against the unigram
     baseline (both written into done.json, with tokens and parameters) and the next command."""
