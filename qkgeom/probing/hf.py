@@ -11,6 +11,7 @@ forward hooks on the projections. Weight-side spectra use per-architecture W_Q^h
 from __future__ import annotations
 
 import hashlib
+import operator
 import pickle
 import re
 from collections.abc import Iterator
@@ -270,11 +271,27 @@ def weights_digest(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+class CountedBatches(Iterator[Tensor]):
+    """An iterator of batches that says how many are left (operator.length_hint: a progress bar's total)."""
+
+    def __init__(self, batches: Iterator[Tensor], n: int) -> None:
+        self._batches, self._left = batches, n
+
+    def __next__(self) -> Tensor:
+        batch = next(self._batches)
+        self._left -= 1
+        return batch
+
+    def __length_hint__(self) -> int:
+        return self._left
+
+
 def token_batches(
     tokens: np.ndarray, seq_len: int, batch_size: int, n_tokens: int, prefix: tuple[int, ...] = ()
-) -> Iterator[Tensor]:
+) -> CountedBatches:
     """Consecutive non-overlapping (batch_size, seq_len) batches covering n_tokens tokens; each
-    sequence starts with `prefix` (the model's own start tokens, e.g. BOS) followed by text."""
+    sequence starts with `prefix` (the model's own start tokens, e.g. BOS) followed by text. Too little
+    text for one batch is refused here, before any batch is drawn."""
     body = seq_len - len(prefix)
     per_batch = body * batch_size
     n_batches = min(n_tokens, len(tokens)) // per_batch if body > 0 else 0
@@ -289,9 +306,11 @@ def token_batches(
             f"({batch_size} x {seq_len} = {seq_len * batch_size}); lower --batch-size or --seq-len"
         )
     start = np.broadcast_to(np.asarray(prefix, dtype=np.int64), (batch_size, len(prefix)))
-    for b in range(n_batches):
-        chunk = np.asarray(tokens[b * per_batch : (b + 1) * per_batch], dtype=np.int64).reshape(batch_size, body)
-        yield torch.from_numpy(np.concatenate([start, chunk], axis=1))
+    chunks = (
+        np.asarray(tokens[b * per_batch : (b + 1) * per_batch], dtype=np.int64).reshape(batch_size, body)
+        for b in range(n_batches)
+    )
+    return CountedBatches((torch.from_numpy(np.concatenate([start, c], axis=1)) for c in chunks), n_batches)
 
 
 @torch.no_grad()
@@ -330,7 +349,9 @@ def analyse_model(
     body = getattr(model, "base_model", model)  # the LM head's logits are not needed: skip them
     device = next(model.parameters()).device  # batches come from the host; the model may be on a GPU
     with recording(model, accs, keep):
-        for idx in tqdm(_input_ids(batches, model, arch), disable=not progress, desc="batches", unit="batch"):
+        total = operator.length_hint(batches) or None  # token_batches' count, a list's: the bar's ETA
+        ids = _input_ids(batches, model, arch)
+        for idx in tqdm(ids, total=total, disable=not progress, desc="batches", unit="batch"):
             body(input_ids=idx.to(device))
     rows = [r for acc in accs.values() for r in acc.rows()]
     w_q, w_k = arch.weights(model)

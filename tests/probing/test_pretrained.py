@@ -1,6 +1,8 @@
 """pretrained: capture parity with each architecture's own eager attention, on random models
 built from configs (no hub access); weight maps; pre/post rotary; bad input."""
 
+import operator
+
 import numpy as np
 import pytest
 import torch
@@ -224,6 +226,22 @@ def test_streaming_is_batch_invariant_for_pr(folder):
     for key, v in one.items():
         if "participation_ratio" in key[3] and "logit" not in key[3]:
             assert four[key] == pytest.approx(v, rel=1e-5, abs=1e-5), key  # float32 batch Gram matrices
+
+
+def test_the_batch_bar_has_a_total_and_an_eta(folder, capsys):
+    """`qkgeom pretrained MODEL` (one revision) drew "batches: 3batch [00:41, 13.7s/batch]": no total, so no
+    ETA on a model that takes minutes. token_batches says how many batches are left (length_hint), and
+    the bar reads it; the batches themselves are those of consecutive text, as before."""
+    _, path = folder
+    model = P.load_model(str(path))
+    batches = P.token_batches(np.arange(1000) % 97, seq_len=16, batch_size=2, n_tokens=200)  # 200 // 32 = 6
+    assert operator.length_hint(batches) == 6
+    first = next(batches)
+    assert operator.length_hint(batches) == 5 and first.tolist() == [list(range(16)), list(range(16, 32))]
+    P.analyse_model(model, batches, progress=True)
+    assert operator.length_hint(batches) == 0
+    bar = capsys.readouterr().err
+    assert "batches: 100%" in bar and "5/5" in bar, bar  # the five left
 
 
 def test_bad_input(tmp_path):
