@@ -219,7 +219,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--all-revisions", action="store_true", default=None, help="every revision sub-folder of a local model folder"
     )
     p.add_argument("--text", help="text file to sample (default: WikiText-2 validation, raw where available)")
-    p.add_argument("--tokenizer", help="tokenizer name or folder (default: the model's own)")
+    p.add_argument(
+        "--tokenizer",
+        help="tokenizer name or folder (default: the model's own; an exported qkgeom run "
+        "has its own vocabulary and takes none)",
+    )
     p.add_argument("--n-tokens", type=int, help="tokens to stream (default 65536)")
     p.add_argument("--seq-len", type=int, help="sequence length (default 256; capped at the model's context)")
     p.add_argument("--batch-size", type=int, help="sequences per forward pass (default 8)")

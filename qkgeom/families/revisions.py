@@ -228,6 +228,9 @@ def run_pretrained(
 
     def tokens_fn(path: str) -> tuple[np.ndarray, tuple[int, ...]]:
         vocab = Path(path) / EXPORT_VOCAB
+        if vocab.is_file() and pc.tokenizer:  # it would be recorded as used, and was not
+            why = f"read with its own vocabulary ({EXPORT_VOCAB}): --tokenizer does not apply to it; leave it out"
+            raise archs.PretrainedError(f"{path} is an exported qkgeom run, {why}")
         key = str(vocab) if vocab.is_file() else (pc.tokenizer or pc.model)
         if key not in cache:
             cache[key] = (

@@ -346,12 +346,15 @@ def test_bad_pretrained_folders_are_one_line_errors(exported, tmp_path, capsys):
     notok = tmp_path / "notok"  # a model folder with no tokenizer files and no qkgeom vocabulary
     model.save_pretrained(notok)
     cases = [
-        (tmp_path / "empty", "has no config.json: not a Hugging Face model folder"),
-        (nan, "weights are not finite (transformer.h.0.attn.c_attn.weight: 1 NaN, 0 inf of"),
-        (notok, "turns the text into 0 tokens (a folder without tokenizer files?); pass --tokenizer"),
+        (tmp_path / "empty", [], "has no config.json: not a Hugging Face model folder"),
+        (nan, [], "weights are not finite (transformer.h.0.attn.c_attn.weight: 1 NaN, 0 inf of"),
+        (notok, [], "turns the text into 0 tokens (a folder without tokenizer files?); pass --tokenizer"),
+        # an export is read with its own vocabulary: a --tokenizer was ignored, yet recorded as the one used
+        (hf_root / "step_6", ["--tokenizer", "gpt2"], "exported qkgeom run, read with its own vocabulary"),
     ]
-    for folder, says in cases:
-        args = ["pretrained", str(folder), "--n-tokens", "512", "--batch-size", "2", "--no-progress"]
+    for folder, extra, says in cases:
+        args = ["pretrained", str(folder), "--n-tokens", "512", "--batch-size", "2", "--no-progress", *extra]
         rc = main([*args, "--out", str(tmp_path / "out" / folder.name)])
         err = capsys.readouterr().err.strip().splitlines()
         assert rc == 2 and says in err[-1] and err[-1].startswith("qkgeom pretrained: error:"), (folder.name, err)
+        assert not (tmp_path / "out" / folder.name).exists()  # nothing half-written
