@@ -287,6 +287,7 @@ def _run(argv: list[str] | None) -> int:
     try:
         if getattr(args, "portable", False):
             args.overrides.append("train.portable=true")
+        _refuse_stray_ray_options(args)
         if hasattr(args, "portable") and D.portable_env_missing() and asks_portable(args):
             return D.rerun_portable(sys.argv[1:] if argv is None else argv, replace=argv is None)
         return args.fn(args)
@@ -306,6 +307,14 @@ def _run(argv: list[str] | None) -> int:
         print(f"qkgeom {args.command}: this is a bug in qkgeom, not in your input; please report it with the "
               "traceback above", file=sys.stderr)  # fmt: skip
         return 1
+
+
+def _refuse_stray_ray_options(args: argparse.Namespace) -> None:
+    """--address or --gpus-per-run without --executor ray would run the jobs in the local pool, silently."""
+    from qkgeom.errors import QKGeomError
+
+    if getattr(args, "executor", "ray") != "ray" and (args.address or getattr(args, "gpus_per_run", 0)):
+        raise QKGeomError("--address and --gpus-per-run are Ray's: add --executor ray (the local pool has neither)")
 
 
 def _resume_hint(args: argparse.Namespace, otherwise: str = "run the same command again") -> str:

@@ -184,7 +184,7 @@ def local_revisions(root: Path) -> list[str]:
 
 def family_revisions(pc: PretrainedConfig) -> list[str | None]:
     """The revisions a config names: its list, its family schedule, every sub-folder of a local
-    folder (ordered by step), or [None] (the default revision)."""
+    folder (ordered by step), or [None] (the default revision); each once, in that order."""
     revisions: list[str | None] = list(pc.revisions)
     if pc.family == "pythia":
         revisions += pythia_revisions(pc.every)
@@ -193,7 +193,7 @@ def family_revisions(pc: PretrainedConfig) -> list[str | None]:
         if not root.is_dir():
             raise archs.PretrainedError(f"pretrained.all_revisions needs a local folder, got {pc.model!r}")
         revisions += sorted(local_revisions(root), key=lambda r: (step_of(r) is None, step_of(r) or 0, r))
-    return revisions or [None]
+    return list(dict.fromkeys(revisions)) or [None]  # --revision step1000 --family pythia names it twice
 
 
 def sample_text(pc: PretrainedConfig) -> str:

@@ -541,6 +541,9 @@ ZOO = [
     ),
     (["sweep", "smoke", "--workers", "-1", "--out", "{empty}/s"], "--workers must be >= 0"),
     (["pretrained", "{revs}"], "its revisions step_1 are read with --all-revisions"),
+    # twenty-ninth session: Ray's options without --executor ray ran the jobs in the local pool, silently
+    (["sweep", "smoke", "--dry-run", "--address", "auto"], "--address and --gpus-per-run are Ray's: add --executor"),
+    (["pretrained", "{revs}", "--all-revisions", "--address", "auto"], "are Ray's: add --executor ray"),
 ]
 
 

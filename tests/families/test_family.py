@@ -41,6 +41,21 @@ def test_pythia_schedule():
     assert F.step_of("step_1200") == 1200 and F.step_of("main") is None
 
 
+def test_a_revision_named_twice_is_measured_once_and_every_needs_a_family():
+    """`--revision step1000 --family pythia` (or `--revision step_20 --all-revisions`) listed the revision
+    twice: the second was skipped as done, and the command counted it ("2 revision(s)"). `--every 10`
+    without --family thinned nothing, silently; it is refused."""
+    from qkgeom.errors import ConfigError
+
+    pc = load_pretrained(None, ['model="EleutherAI/pythia-70m"', 'family="pythia"', 'revisions=["step1000", "x"]'])
+    revs = F.family_revisions(pc)
+    assert revs[:3] == ["step1000", "x", "step0"] and revs.count("step1000") == 1
+    assert len(revs) == 2 + 11 + 143 - 1
+    with pytest.raises(ConfigError, match="pretrained.every = 10 thins a family schedule; none is named"):
+        load_pretrained(None, ['model="EleutherAI/pythia-70m"', "every=10"])
+    assert load_pretrained(None, ['model="m"', 'family="pythia"', "every=10"]).every == 10
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export")
