@@ -115,6 +115,8 @@ def cmd_amend(args: argparse.Namespace) -> int:
         raise RecordError(f"{args.dir} is not a folder: nothing to amend")
     if not args.note.strip():  # every kind of amendment says what and why
         raise RecordError("qkgeom amend needs a --note saying what changed and why")
+    if args.pin and args.seal:  # one amendment a call: --seal was dropped without a word
+        raise RecordError("--pin and --seal are two amendments: run qkgeom amend once for each")
     if args.pin:
         write_pin(args.dir)
         print(f"{args.dir}: pinned (pre-registration and claims.csv digests in preregistration_pin.json: {args.note})")

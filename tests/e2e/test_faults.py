@@ -529,6 +529,7 @@ ZOO = [
     (["verdicts", "/no/such/folder"], "/no/such/folder is not a folder"),
     (["amend", "{empty}", "--note", "x"], "has no pre-registration"),
     (["amend", "{empty}", "--pin", "--note", "x"], "has no pre-registration"),
+    (["amend", "{empty}", "--pin", "--seal", "--note", "x"], "--pin and --seal are two amendments"),  # pinned only
     (["train", "tiny", "--set", "train.lr=inf"], "train.lr must be finite, got inf"),
     (["train", "tiny", "--set", "intervention.floor=inf"], "intervention.floor must be finite"),
     (["train", "tiny", "--out", "{done}/config.json"], "config.json (finished files are kept; fix it, then run the"),
