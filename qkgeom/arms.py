@@ -144,6 +144,8 @@ def check_arm(kind: str, on: str, ratio: float, matching: str, reference: str) -
         return f"intervention.kind must be one of {INTERVENTIONS}, got {kind!r}"
     if on not in KEY_TARGETS:
         return f"intervention.on must be one of {KEY_TARGETS}, got {on!r}"
+    if spec.ratio == "none" and ratio != 1:  # hold keeps its initial PR, none steers nothing: it was ignored
+        return f"intervention.ratio does not apply to {kind!r} (it has none): leave it at 1, got {ratio}"
     if spec.ratio == "below 1" and not 0 < ratio < 1:
         return f"intervention.ratio must be in (0, 1) for {kind}, got {ratio}"
     if spec.ratio == "above 1" and not ratio > 1:

@@ -328,6 +328,10 @@ def validate(cfg: RunConfig) -> None:
     arm = Arm.of(iv)
     problem = check_arm(arm.kind, arm.on, arm.ratio, arm.matching, iv.reference)
     need(problem is None, str(problem))
+    need(
+        not iv.baseline or needs_baseline(iv),
+        f"intervention.baseline is read only by an arm that tracks its none run; {arm.label} does not",
+    )
     need(iv.floor >= 1, f"intervention.floor must be >= 1 (a PR), got {iv.floor}")
     need(
         iv.control_seqs >= 0, f"intervention.control_seqs must be >= 0 (0 = the probe's first 4), got {iv.control_seqs}"

@@ -223,7 +223,8 @@ class InterventionConfig:
     step; `initial` = the head's initial PR on a linear schedule (training alone contracts W_K to
     ~0.4-0.6x, so an initial-relative target can leave W_K *less* contracted than the baseline)."""
     ratio: float = 1.0
-    """Target ratio: < 1 for contract, > 1 for expand."""
+    """Target ratio: < 1 for contract, > 1 for expand, any for shape and temperature; none and hold have
+    none (1; anything else is refused)."""
     mode: str = "one-sided"
     """`one-sided`: contract is a ceiling, expand a floor (project only when past the target);
     `two-sided`: track the target exactly."""
@@ -231,7 +232,7 @@ class InterventionConfig:
     """reference = initial: fraction of training by which ratio x initial PR is reached."""
     baseline: str = ""
     """reference = baseline: the `none` run's folder (relative to this run's parent folder); sweeps
-    fill it in."""
+    fill it in. Refused on an arm that does not read it (config.needs_baseline)."""
     match_scale: bool = False
     """After the projection, rescale W_Q^h and W_K^h by sqrt(gamma) so the head's input-weighted logit
     scale tr(M C M^T C) (M = W_Q W_K^T / sqrt(E), C the running input covariance) is what it was before

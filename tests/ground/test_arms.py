@@ -68,6 +68,14 @@ def test_validation_reads_the_table():
         ),
         (["kind=none", "match_row_std=true"], "match_row_std applies to a shape-changing kind, not 'none'"),
         (["kind=shape", "ratio=0.8", "reference=initial"], "'shape' is relative to the none run"),
+        # a row without a ratio (none, hold), and a baseline an arm never reads, were accepted and ignored
+        (["kind=hold", "ratio=0.5"], "intervention.ratio does not apply to 'hold' \\(it has none\\): leave it at 1"),
+        (["kind=none", "ratio=0.5"], "intervention.ratio does not apply to 'none'"),
+        (["baseline='runs/x'"], "intervention.baseline is read only by an arm that tracks its none run; none does not"),
+        (
+            ["kind=contract", "ratio=0.5", "reference=initial", "baseline='runs/x'"],
+            "baseline is read only by .*; contract:key:0.5 does not",
+        ),
     ]
     for sets, msg in cases:
         with pytest.raises(C.ConfigError, match=msg):
