@@ -42,6 +42,11 @@ class Kind:
     entropy: int  # predicted sign on attention entropy per unit move (+1 same way, -1 opposite)
     dose: float  # assigned dose per unit log(ratio) of the steered quantity (a variance: 2)
 
+    @property
+    def bounded(self) -> bool:
+        """A ceiling (ratio below 1) or a floor (above 1): intervention.mode chooses one- or two-sided."""
+        return self.ratio in ("below 1", "above 1")
+
 
 KINDS = {
     k.name: k
@@ -130,20 +135,18 @@ class Arm:
         return self.spec.dose * math.log(self.ratio)
 
     def fields(self) -> dict:
-        """The intervention config fields of this arm (relative to the baseline, tracked two-sided)."""
+        """The intervention config fields of this arm (relative to the baseline; a ceiling or floor tracked
+        two-sided)."""
         return dict(
             kind=self.kind, on=self.on, ratio=self.ratio, match_scale=self.matching == "matched",
-            match_row_std=self.matching == "closed", reference="baseline", mode="two-sided",
+            match_row_std=self.matching == "closed", reference="baseline",
+            mode="two-sided" if self.spec.bounded else "one-sided",  # the others have one form
         )  # fmt: skip
 
 
-def check_arm(kind: str, on: str, ratio: float, matching: str, reference: str) -> str | None:
-    """What is wrong with an intervention's arm settings (one line naming the intervention.* key), or None."""
-    spec = KINDS.get(kind)
-    if spec is None:
-        return f"intervention.kind must be one of {INTERVENTIONS}, got {kind!r}"
-    if on not in KEY_TARGETS:
-        return f"intervention.on must be one of {KEY_TARGETS}, got {on!r}"
+def _ratio_problem(spec: Kind, ratio: float) -> str | None:
+    """What is wrong with `ratio` for a kind's ratio rule (Kind.ratio), or None."""
+    kind = spec.name
     if spec.ratio == "none" and ratio != 1:  # hold keeps its initial PR, none steers nothing: it was ignored
         return f"intervention.ratio does not apply to {kind!r} (it has none): leave it at 1, got {ratio}"
     if spec.ratio == "below 1" and not 0 < ratio < 1:
@@ -152,6 +155,22 @@ def check_arm(kind: str, on: str, ratio: float, matching: str, reference: str) -
         return f"intervention.ratio must be > 1 for {kind}, got {ratio}"
     if not ratio > 0:
         return f"intervention.ratio must be positive, got {ratio}"
+    return None
+
+
+def check_arm(kind: str, on: str, ratio: float, matching: str, reference: str, mode: str = "one-sided") -> str | None:
+    """What is wrong with an intervention's arm settings (one line naming the intervention.* key), or None.
+    mode: `two-sided` only for a ceiling or floor (a kind whose ratio lies on one side of 1)."""
+    spec = KINDS.get(kind)
+    if spec is None:
+        return f"intervention.kind must be one of {INTERVENTIONS}, got {kind!r}"
+    if on not in KEY_TARGETS:
+        return f"intervention.on must be one of {KEY_TARGETS}, got {on!r}"
+    if (wrong := _ratio_problem(spec, ratio)) is not None:
+        return wrong
+    if mode != "one-sided" and not spec.bounded:  # its map has one form: the mode was ignored
+        bounded = ", ".join(k for k, v in KINDS.items() if v.bounded)
+        return f"intervention.mode = {mode!r} applies to a ceiling or floor ({bounded}), not {kind!r}"
     if spec.relative and reference != "baseline":
         return f"intervention.kind = {kind!r} is relative to the none run: it needs intervention.reference = 'baseline'"
     key = {"matched": "match_scale", "closed": "match_row_std"}.get(matching)

@@ -326,7 +326,7 @@ def validate(cfg: RunConfig) -> None:
         "intervention.match_row_std (closed loop) and match_scale (open loop) exclude each other",
     )
     arm = Arm.of(iv)
-    problem = check_arm(arm.kind, arm.on, arm.ratio, arm.matching, iv.reference)
+    problem = check_arm(arm.kind, arm.on, arm.ratio, arm.matching, iv.reference, iv.mode)
     need(problem is None, str(problem))
     need(
         not iv.baseline or needs_baseline(iv),
@@ -345,6 +345,10 @@ def validate(cfg: RunConfig) -> None:
     bad_heads = [x for x in iv.heads if not 0 <= x < m.n_heads]
     need(not bad_heads, f"intervention.heads {bad_heads} do not exist (model has {m.n_heads} heads)")
     need(0 < iv.reach_fraction <= 1, f"intervention.reach_fraction must be in (0, 1], got {iv.reach_fraction}")
+    need(
+        iv.reference == "initial" or iv.reach_fraction == InterventionConfig.reach_fraction,
+        "intervention.reach_fraction schedules a target relative to the initial PR: it needs reference = 'initial'",
+    )
     _check_finite(cfg)
 
 

@@ -227,9 +227,9 @@ class InterventionConfig:
     none (1; anything else is refused)."""
     mode: str = "one-sided"
     """`one-sided`: contract is a ceiling, expand a floor (project only when past the target);
-    `two-sided`: track the target exactly."""
+    `two-sided`: track the target exactly. Other kinds have one form: `two-sided` is refused there."""
     reach_fraction: float = 0.5
-    """reference = initial: fraction of training by which ratio x initial PR is reached."""
+    """reference = initial: fraction of training by which ratio x initial PR is reached (refused otherwise)."""
     baseline: str = ""
     """reference = baseline: the `none` run's folder (relative to this run's parent folder); sweeps
     fill it in. Refused on an arm that does not read it (config.needs_baseline)."""

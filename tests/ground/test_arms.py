@@ -76,12 +76,23 @@ def test_validation_reads_the_table():
             ["kind=contract", "ratio=0.5", "reference=initial", "baseline='runs/x'"],
             "baseline is read only by .*; contract:key:0.5 does not",
         ),
+        (["kind=hold", "mode='two-sided'"], "mode = 'two-sided' applies to a ceiling or floor \\(contract, expand\\)"),
+        (["kind=contract", "ratio=0.5", "reach_fraction=0.3"], "reach_fraction .* needs reference = 'initial'"),
     ]
     for sets, msg in cases:
         with pytest.raises(C.ConfigError, match=msg):
             C.validate(C.load("tiny", [f"intervention.{s}" for s in sets]))
     with pytest.raises(C.ConfigError, match="arm label 'shape:0.7' is not none, hold:<on>"):
         arms.Arm.parse("shape:0.7")
+    labels = ["none", "hold:key:closed", "contract:interaction:0.4", "expand:key:1.25", "shape:activation:0.8:matched",
+              "temperature:logit:0.5"]  # fmt: skip
+    for label in labels:  # an arm's own config (the zero-training complement's) passes the same rules
+        iv = C.arm_config(label)
+        assert arms.check_arm(iv.kind, iv.on, iv.ratio, arms.Arm.of(iv).matching, iv.reference, iv.mode) is None
+        assert iv.mode == ("two-sided" if iv.kind in ("contract", "expand") else "one-sided")
+    assert C.validate(C.load("tiny", ["intervention.kind=contract", "intervention.ratio=0.5",
+                                      "intervention.reference='initial'", "intervention.reach_fraction=0.3",
+                                      "intervention.mode='two-sided'"])) is None  # fmt: skip
 
 
 def test_a_new_kind_is_one_row(monkeypatch):
