@@ -57,7 +57,7 @@ def png_bytes(fig) -> bytes:
     """A matplotlib figure, tidied (report.layout.tidy), as PNG bytes (the figure is closed)."""
     tidy(fig)
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    fig.savefig(buf, format="png", dpi=110)  # constrained layout (tidy) fits it: no second, bbox-finding draw
     plt.close(fig)
     return buf.getvalue()
 
