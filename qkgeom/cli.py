@@ -287,7 +287,7 @@ def _run(argv: list[str] | None) -> int:
     try:
         if getattr(args, "portable", False):
             args.overrides.append("train.portable=true")
-        _refuse_stray_ray_options(args)
+        _refuse_unusable_options(args)
         if hasattr(args, "portable") and D.portable_env_missing() and asks_portable(args):
             return D.rerun_portable(sys.argv[1:] if argv is None else argv, replace=argv is None)
         return args.fn(args)
@@ -309,12 +309,15 @@ def _run(argv: list[str] | None) -> int:
         return 1
 
 
-def _refuse_stray_ray_options(args: argparse.Namespace) -> None:
-    """--address or --gpus-per-run without --executor ray would run the jobs in the local pool, silently."""
+def _refuse_unusable_options(args: argparse.Namespace) -> None:
+    """Options that would be dropped or fail late: --address or --gpus-per-run without --executor ray (the
+    jobs would run in the local pool, silently); an --out that names a file ("File exists", after the imports)."""
     from qkgeom.errors import QKGeomError
 
     if getattr(args, "executor", "ray") != "ray" and (args.address or getattr(args, "gpus_per_run", 0)):
         raise QKGeomError("--address and --gpus-per-run are Ray's: add --executor ray (the local pool has neither)")
+    if getattr(args, "out", None) and Path(args.out).exists() and not Path(args.out).is_dir():
+        raise QKGeomError(f"--out {args.out} is a file, not a folder")
 
 
 def _resume_hint(args: argparse.Namespace, otherwise: str = "run the same command again") -> str:

@@ -532,7 +532,8 @@ ZOO = [
     (["amend", "{empty}", "--pin", "--seal", "--note", "x"], "--pin and --seal are two amendments"),  # pinned only
     (["train", "tiny", "--set", "train.lr=inf"], "train.lr must be finite, got inf"),
     (["train", "tiny", "--set", "intervention.floor=inf"], "intervention.floor must be finite"),
-    (["train", "tiny", "--out", "{done}/config.json"], "config.json (finished files are kept; fix it, then run the"),
+    (["train", "tiny", "--out", "{done}/config.json"], "is a file, not a folder"),
+    (["export", "{done}", "--out", "{done}/config.json"], "config.json is a file, not a folder"),  # was "File exists"
     (["pretrained", "{revs}/step_1", "--early-max-step", "-5"], "pretrained.early_max_step must be >= 0, got -5"),
     (["pretrained", "{revs}/step_1", "--config", "{tmp}/bare.toml"], "must hold a [pretrained] table and no other key"),
     # an allocation no machine grants (vocab x 2**40 floats: past any address space, whatever the overcommit)
