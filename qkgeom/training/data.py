@@ -155,8 +155,11 @@ def resolve_source(source: str) -> Path:
         if not p.is_dir():
             raise DataError(f"data source {source!r} is neither a folder nor one of {', '.join(WIKITEXT)}")
     else:
-        mirror = wikitext_mirror() / source
-        p = mirror if mirror.is_dir() else fetch_wikitext(source)
+        root = wikitext_mirror()
+        if "QKGEOM_WIKITEXT_DIR" in os.environ and not root.is_dir():  # a typo would download instead, unsaid
+            raise DataError(f"QKGEOM_WIKITEXT_DIR={os.environ['QKGEOM_WIKITEXT_DIR']} is not a folder: point it at "
+                            f"a WikiText mirror, or unset it to download {source} into {cache_dir()}")  # fmt: skip
+        p = root / source if (root / source).is_dir() else fetch_wikitext(source)
     for split in SPLITS:
         f = p / f"{split}.txt"
         if not f.is_file():

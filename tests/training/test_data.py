@@ -65,6 +65,24 @@ def test_named_source_uses_mirror(wikitext, monkeypatch):
     assert D.resolve_source("wikitext-2") == wikitext / "wikitext-2"
 
 
+def test_a_mirror_setting_that_names_no_folder_is_refused(tmp_path, monkeypatch):
+    """QKGEOM_WIKITEXT_DIR set to a folder that does not exist (a typo) fell through to the download, so a
+    user online trained on a fresh download instead of their mirror, unsaid. Unset, the download is the
+    intended fallback (a clone without ../shared); a mirror folder without the corpus falls back too."""
+    monkeypatch.setenv("QKGEOM_WIKITEXT_DIR", str(tmp_path / "typo"))
+    monkeypatch.setenv("QKGEOM_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(D.DataError, match=f"QKGEOM_WIKITEXT_DIR={tmp_path / 'typo'} is not a folder: point it"):
+        D.resolve_source("wikitext-2")
+    assert not (tmp_path / "cache").exists()  # refused before any download
+    write_folder(tmp_path / "cache" / "wikitext-2")  # a cached download: what the fallback reads
+    (tmp_path / "mirror").mkdir()
+    monkeypatch.setenv("QKGEOM_WIKITEXT_DIR", str(tmp_path / "mirror"))
+    assert D.resolve_source("wikitext-2") == tmp_path / "cache" / "wikitext-2"
+    monkeypatch.delenv("QKGEOM_WIKITEXT_DIR")
+    monkeypatch.setattr(D, "REPO_ROOT", tmp_path / "no-checkout")  # the default mirror is absent too
+    assert D.resolve_source("wikitext-2") == tmp_path / "cache" / "wikitext-2"
+
+
 def test_missing_and_empty_sources(tmp_path):
     with pytest.raises(D.DataError, match="neither a folder"):
         D.resolve_source(str(tmp_path / "nope"))
