@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "sweep",
-        help="run a grid of training runs in a local worker pool",
+        help="run a grid of training runs (a local worker pool, or Ray with --executor ray)",
         description="Expand a sweep file's grid into deterministic runs, write sweep.json, and train "
         "every unfinished run in parallel. Finished runs are skipped; partial ones resume; "
         "a failing run is recorded (error.json) without stopping the others.",
