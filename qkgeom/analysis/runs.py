@@ -62,6 +62,7 @@ def _run_info(rd: RunDir) -> dict:
 # (depth, Q/K init, intervention arm) and bookkeeping. Anything else (width, tokenizer, steps, lr, ...)
 # would be pooled as if it were seed noise.
 CONDITION_KEYS = ("name", "train.seed", "train.data_seed", "train.threads", "model.n_layers", "model.qk_init")
+BOOKKEEPING_KEYS = ("name", "train.data_seed", "train.threads")  # two runs alike but in these are one replicate
 
 
 def _flat(cfg: dict, prefix: str = "") -> dict:
@@ -110,6 +111,16 @@ def check_one_design(configs: dict[str, dict], path: str | Path, allowed: tuple[
             f"the runs under {path} are not one design: they differ in {shown}"
             f"{' ...' if len(differ) > 3 else ''}; analyse each design in its own folder"
         )
+    units: dict[tuple, str] = {}  # (condition, train.seed) -> the run that has it
+    for rid, f in sorted(flat.items()):
+        unit = tuple(sorted((k, v) for k, v in f.items() if k not in BOOKKEEPING_KEYS))
+        if unit in units:  # the statistics group by seed: the two would count as one replicate, unsaid
+            raise AnalysisError(
+                f"runs {units[unit]} and {rid} under {path} share their condition and train.seed "
+                f"({f.get('train.seed')}): a seed is the unit of replication, so they would count once; give "
+                "each run its own seed (qkgeom.Probe and the callbacks take seed=)"
+            )
+        units[unit] = rid
 
 
 def _load(path: str | Path, reader, allowed: tuple[str, ...] = ()) -> pd.DataFrame:

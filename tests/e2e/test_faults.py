@@ -684,6 +684,22 @@ def test_analyze_refuses_runs_that_are_not_seeds_of_one_design(tmp_path):
     assert "not one design" in r.stderr and "model.d_model = ['32', '64']" in r.stderr
 
 
+def test_analyze_refuses_two_runs_of_one_condition_and_seed(tmp_path):
+    """Two runs alike in everything but their data order (or a copy of a run, or two qkgeom.Probe runs
+    left at the default seed) were averaged into one seed: n 1 for two runs, without a word."""
+    from qkgeom.training.loop import train
+    from tests.conftest import tiny_config
+
+    train(tiny_config(train={"steps": 4, "seed": 0, "data_seed": 0}), tmp_path / "a", progress=False)
+    train(tiny_config(train={"steps": 4, "seed": 0, "data_seed": 7}), tmp_path / "b", progress=False)
+    r = cli("analyze", str(tmp_path))
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "runs a and b under" in r.stderr and "share their condition and train.seed (0)" in r.stderr
+    shutil.rmtree(tmp_path / "b")
+    train(tiny_config(train={"steps": 4, "seed": 1, "data_seed": 7}), tmp_path / "b", progress=False)
+    assert cli("analyze", str(tmp_path)).returncode == 0  # two seeds: analysed
+
+
 def test_measure_names_bad_shapes_and_non_finite_values():
     import torch
 
