@@ -12,6 +12,7 @@ trainer.global_step (optimiser steps; with gradient accumulation a step is probe
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ class QKGeometryCallback(Callback):
     """batch: a fixed probe batch of input ids (B, T); out: the run folder; every: probe interval in
     optimiser steps; tokens_per_step: training tokens per optimiser step (for tokens_seen);
     val_loss_key: the logged metric recorded as validation loss; seed: recorded for analyze's seed
-    grouping; further keyword arguments go to qkgeom.Probe (tensorboard=DIR, ...)."""
+    grouping (default: the one `lightning.seed_everything` set, PL_GLOBAL_SEED, else 0); further keyword
+    arguments go to qkgeom.Probe (tensorboard=DIR, ...)."""
 
     def __init__(
         self,
@@ -39,7 +41,7 @@ class QKGeometryCallback(Callback):
         every: int = 100,
         tokens_per_step: int | None = None,
         val_loss_key: str = "val_loss",
-        seed: int = 0,
+        seed: int | None = None,
         **probe_kwargs: Any,
     ) -> None:
         self.batch, self.out, self.every, self.tokens_per_step = batch, out, every, tokens_per_step
@@ -53,7 +55,8 @@ class QKGeometryCallback(Callback):
         if not trainer.is_global_zero:
             return
         steps = trainer.max_steps if trainer.max_steps and trainer.max_steps > 0 else None
-        kw = {"seed": self.seed, "steps": steps, "sinks": lightning_sinks(trainer.loggers)} | self.probe_kwargs
+        seed = self.seed if self.seed is not None else int(os.environ.get("PL_GLOBAL_SEED", 0))  # seed_everything's
+        kw = {"seed": seed, "steps": steps, "sinks": lightning_sinks(trainer.loggers)} | self.probe_kwargs
         self.probe = Probe(pl_module, self.batch, self.every, self.out, resume=trainer.global_step > 0, **kw)
         self.probe(trainer.global_step, self._tokens(trainer))
 

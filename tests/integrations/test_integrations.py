@@ -69,12 +69,14 @@ def test_lightning_callback_runs_to_analyze_and_report(tmp_path, capsys):
 
     for seed in (0, 1):
         L.seed_everything(seed, verbose=False)
-        callback = QKGeometryCallback(blocks()[:4], tmp_path / "runs" / f"seed{seed}", every=5, seed=seed)
+        callback = QKGeometryCallback(blocks()[:4], tmp_path / "runs" / f"seed{seed}", every=5)  # seed_everything's
         trainer = L.Trainer(
             max_steps=12, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, accumulate_grad_batches=2, callbacks=[callback],
         )  # fmt: skip
         trainer.fit(tiny_llama_module(VOCAB, T), torch.utils.data.DataLoader(blocks(), batch_size=B))
+    recorded = [json.loads((tmp_path / "runs" / f"seed{s}" / "config.json").read_text()) for s in (0, 1)]
+    assert [c["config"]["train"]["seed"] for c in recorded] == [0, 1]  # were both 0: one replicate for analyze
     g = pd.read_parquet(tmp_path / "runs" / "seed0" / "geometry.parquet")
     # two micro-batches per optimiser step: each step is probed once
     assert sorted(g["step"].unique()) == [0, 1, 2, 4, 5, 10, 12]
