@@ -389,6 +389,9 @@ def test_damaged_run_is_skipped_by_analyze_and_report(reference, tmp_path, damag
     root = tmp_path / "runs"
     for name in ("good", "bad"):
         shutil.copytree(reference, root / name)
+    info = json.loads((root / "bad" / "config.json").read_text())
+    info["config"]["train"]["seed"] = 1  # a seed of its own: two runs of one seed are refused, damaged or not
+    (root / "bad" / "config.json").write_text(json.dumps(info))
     target = root / "bad" / damage.removeprefix("missing ").removeprefix("empty ")
     if damage.startswith("missing"):
         target.unlink()
