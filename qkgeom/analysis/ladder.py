@@ -44,7 +44,7 @@ def load_ladder(path) -> tuple[pd.DataFrame, pd.DataFrame]:
     budget = g.groupby("run_id")["tokens_seen"].max().rename("budget")
     g = g.join(budget, on="run_id")
     g["budget_m"] = (g["budget"] / 1e6).round(1)
-    return g, load_metrics(path, BUDGET_KEYS).join(budget, on="run_id")
+    return g, load_metrics(path, BUDGET_KEYS, runs=g["run_id"].unique()).join(budget, on="run_id")
 
 
 AXES = ("log2 step", "progress")  # the registered axis, and a linear one: the fraction of the run

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import warnings
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
 
 import pandas as pd
@@ -190,6 +191,9 @@ def load_runs(path: str | Path, allowed: tuple[str, ...] = ()) -> pd.DataFrame:
     return df
 
 
-def load_metrics(path: str | Path, allowed: tuple[str, ...] = ()) -> pd.DataFrame:
-    """metrics.jsonl of every finished run (step, split, loss, ...) with the run columns."""
-    return _load(path, lambda rd: pd.DataFrame(rd.read_metrics()), allowed)
+def load_metrics(path: str | Path, allowed: tuple[str, ...] = (), runs: Iterable[str] | None = None) -> pd.DataFrame:
+    """metrics.jsonl of every finished run (step, split, loss, ...) with the run columns. runs: keep only
+    these run ids, those load_runs read (a run whose geometry is damaged is skipped there, and its
+    losses alone would leave, say, a seed's none run half present)."""
+    df = _load(path, lambda rd: pd.DataFrame(rd.read_metrics()), allowed)
+    return df if runs is None else df[df["run_id"].isin(set(runs))].reset_index(drop=True)

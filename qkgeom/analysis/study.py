@@ -103,7 +103,8 @@ def _analyze(path: Path, extra: Callable[[Path], list[pd.DataFrame]] | None, adv
     """analyze, stage by stage (advance: on to the next of STAGES)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", A.RunWarning)
-        geometry, metrics = A.load_runs(path), A.load_metrics(path)
+        geometry = A.load_runs(path)
+        metrics = A.load_metrics(path, runs=geometry["run_id"].unique())
     skipped = sorted({str(w.message) for w in caught if issubclass(w.category, A.RunWarning)})
     geometry = A.with_transient(geometry)
     traj = A.trajectories(geometry)

@@ -186,3 +186,32 @@ def test_temperature_scale_path_and_instantaneous_complement_known_values():
     learned = claim(c, "temperature:logit:0.5 - none: learned effect (trained - instantaneous), attention entropy "
                     "(nats)", "mean over layers", "post-transient")  # fmt: skip
     assert learned["value"] == pytest.approx(np.mean([c_s[s] - d_s[s] for s in SEEDS]))
+
+
+def test_a_damaged_none_run_leaves_its_seed_out_and_no_traceback(tmp_path):
+    """A none run whose geometry.parquet is damaged was skipped by load_runs (with its warning) but not by
+    load_metrics: its losses stayed, and the loss-matched rows looked up its entropy (KeyError, exit 1,
+    "a bug in qkgeom"). Now the metrics keep only the runs the geometry has: the seed without its none
+    run leaves the paired rows. Three seeds of study-causal-cpu's committed records, seed 0's none damaged."""
+    import shutil
+    from pathlib import Path
+
+    from qkgeom.analysis import runs as A
+    from qkgeom.analysis.study import analyze
+
+    records = Path(__file__).resolve().parents[2] / "docs" / "results" / "study-causal-cpu" / "runs"
+    for run in records.iterdir():
+        if any(run.name.endswith(f"_seed={s}_data_seed=100{s}-" + run.name.rsplit("-", 1)[1]) for s in (0, 1, 2)):
+            shutil.copytree(run, tmp_path / run.name, ignore=shutil.ignore_patterns("seal.json"))
+    assert len(list(tmp_path.iterdir())) == 9  # none, contract, hold x 3 seeds
+    none0 = next(tmp_path.glob("kind=none_*_seed=0_*"))
+    (none0 / "geometry.parquet").write_bytes(b"not parquet")
+    a = analyze(tmp_path)
+    claims = a.claims
+    assert len(a.skipped) == 1 and none0.name in a.skipped[0]  # named, as before
+    row = claims[(claims["claim_id"] == "hold:key-none.attention_entropy:loss_matched")
+                 & (claims["group"] == "mean over layers")]  # fmt: skip
+    assert row["n"].tolist() == [2]  # seeds 1 and 2
+    assert set(A.load_metrics(tmp_path, runs=A.load_runs(tmp_path)["run_id"].unique())["run_id"]) == {
+        p.name for p in tmp_path.iterdir() if p.is_dir() and p != none0
+    }
