@@ -124,9 +124,13 @@ def check_one_design(configs: dict[str, dict], path: str | Path, allowed: tuple[
         units[unit] = rid
 
 
-def _load(path: str | Path, reader, allowed: tuple[str, ...] = ()) -> pd.DataFrame:
+def _load(path: str | Path, reader, allowed: tuple[str, ...] = (), runs: set[str] | None = None) -> pd.DataFrame:
+    """`reader`'s frame of every finished run under `path` (only those in `runs`, if given) with the run
+    columns; damaged runs skipped with a RunWarning; the rest checked to be seeds of one design."""
     frames, configs = [], {}
     for d in run_folders(path):
+        if runs is not None and d.name not in runs:  # left out before it is read, or checked
+            continue
         rd = RunDir(d)
         if not rd.is_done():
             why = "failed: " + rd.read_error() if rd.error.exists() else "unfinished"
@@ -195,5 +199,4 @@ def load_metrics(path: str | Path, allowed: tuple[str, ...] = (), runs: Iterable
     """metrics.jsonl of every finished run (step, split, loss, ...) with the run columns. runs: keep only
     these run ids, those load_runs read (a run whose geometry is damaged is skipped there, and its
     losses alone would leave, say, a seed's none run half present)."""
-    df = _load(path, lambda rd: pd.DataFrame(rd.read_metrics()), allowed)
-    return df if runs is None else df[df["run_id"].isin(set(runs))].reset_index(drop=True)
+    return _load(path, lambda rd: pd.DataFrame(rd.read_metrics()), allowed, None if runs is None else set(runs))
