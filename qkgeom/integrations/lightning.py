@@ -44,6 +44,7 @@ class QKGeometryCallback(Callback):
         seed: int | None = None,
         **probe_kwargs: Any,
     ) -> None:
+        Probe.check_arguments(batch, every, probe_kwargs, fixed=("resume",))  # here, not when training starts
         self.batch, self.out, self.every, self.tokens_per_step = batch, out, every, tokens_per_step
         self.val_loss_key, self.seed, self.probe_kwargs = val_loss_key, seed, probe_kwargs
         self.probe: Probe | None = None

@@ -43,6 +43,7 @@ class QKGeometryCallback(TrainerCallback):
         tokens_per_step: int | None = None,
         **probe_kwargs: Any,
     ) -> None:
+        Probe.check_arguments(batch, every, probe_kwargs, fixed=("resume",))  # here, not when training starts
         self.batch, self.out, self.every = batch, out, every
         self.tokens_per_step, self.probe_kwargs = tokens_per_step, probe_kwargs
         self.probe: Probe | None = None

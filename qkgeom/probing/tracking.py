@@ -111,6 +111,18 @@ def _input_ids(batch: torch.Tensor | dict) -> torch.Tensor:
     return batch.long()
 
 
+def _checked(every: int, steps: int | None, logit_max_seqs: int, pr: str, alpha: str) -> ProbeSettings:
+    """Probe's arguments that need no model: the schedule, the run's length and the settings."""
+    if every < 1:
+        raise ProbeError(f"every must be a positive number of steps, got {every}")
+    if steps is not None and steps < 0:
+        raise ProbeError(f"steps (the run's length) must be >= 0, got {steps}")
+    try:
+        return ProbeSettings.of(logit_max_seqs, pr, alpha)
+    except ConfigError as e:
+        raise ProbeError(str(e)) from None
+
+
 def _model_config(model: nn.Module) -> dict | None:
     config = getattr(model, "config", None)
     if hasattr(config, "to_json_string"):
@@ -161,14 +173,7 @@ class Probe:
         pr_convention: str = "variance",
         alpha_convention: str = "weightwatcher",
     ) -> None:
-        if every < 1:
-            raise ProbeError(f"every must be a positive number of steps, got {every}")
-        if steps is not None and steps < 0:
-            raise ProbeError(f"steps (the run's length) must be >= 0, got {steps}")
-        try:
-            self.settings = ProbeSettings.of(logit_max_seqs, pr_convention, alpha_convention)
-        except ConfigError as e:
-            raise ProbeError(str(e)) from None
+        self.settings = _checked(every, steps, logit_max_seqs, pr_convention, alpha_convention)
         self.capture = capture
         self.model = _unwrap(model) if capture else readable(model)
         if (first := next(self.model.parameters(), None)) is not None:
@@ -191,6 +196,26 @@ class Probe:
             raise
         self.t0, self.probe_seconds = time.perf_counter(), 0.0
         self.skipped = ""  # why the last probe due was not taken, if it was not
+
+    @classmethod
+    def check_arguments(
+        cls, batch: torch.Tensor | dict, every: int, kwargs: dict[str, Any], fixed: Sequence[str] = ()
+    ) -> None:
+        """Refuse (ProbeError) what `Probe(model, batch, every, out, **kwargs)` would refuse before it sees
+        the model: a keyword Probe does not take or the caller sets itself (`fixed`), and bad values of
+        every, steps, the batch and the settings. The callbacks build their Probe when training starts;
+        they call this when built."""
+        import inspect
+
+        if own := sorted(set(fixed) & kwargs.keys()):
+            raise ProbeError(f"qkgeom.Probe: {', '.join(own)} is set by the callback itself, not by its caller")
+        try:
+            inspect.signature(cls).bind_partial(None, batch, every, **kwargs)
+        except TypeError as e:
+            raise ProbeError(f"qkgeom.Probe: {e}") from None
+        defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()} | kwargs
+        _checked(every, *(defaults[k] for k in ("steps", "logit_max_seqs", "pr_convention", "alpha_convention")))
+        _input_ids(batch)
 
     def _run_info(self, name: str | None, seed: int, data_seed: int | None) -> dict:
         """config.json of the run folder: what was probed, how, and the run's seeds (read by analyze)."""

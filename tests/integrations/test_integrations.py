@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from qkgeom.results import read_json
-from tests.conftest import REPO
+from tests.conftest import REPO, need
 
 VOCAB, T, B = 40, 32, 8
 
@@ -90,6 +90,33 @@ def test_lightning_callback_runs_to_analyze_and_report(tmp_path, capsys):
     assert main(["report", str(tmp_path / "runs")]) == 0
     losses = [json.loads(x) for x in (tmp_path / "runs" / "seed0" / "metrics.jsonl").read_text().splitlines()]
     assert len(losses) == 24 and np.isfinite([r["loss"] for r in losses]).all()  # one per micro-batch
+
+
+@pytest.mark.parametrize("extra", ["transformers", "lightning"])
+@pytest.mark.parametrize(
+    ("kwargs", "why"),
+    [
+        ({"every": 0}, "every must be a positive number of steps, got 0"),
+        ({"tensorbaord": "tb"}, "unexpected keyword argument 'tensorbaord'"),
+        ({"resume": True}, "resume is set by the callback itself"),
+        ({"steps": -1}, r"steps \(the run's length\) must be >= 0, got -1"),
+        ({"logit_max_seqs": -2}, "logit_max_seqs must be >= 0"),
+        ({"pr_convention": "rank"}, "pr_convention must be one of"),
+        ({"batch": blocks()[:4].float()}, "the probe batch must be input ids"),
+    ],
+)
+def test_callbacks_refuse_bad_arguments_when_built(extra, kwargs, why, tmp_path):
+    """Refused where the callback is built, not after the trainer has set up and training started
+    (the Probe they build then would refuse the same, the typo as a TypeError)."""
+    from qkgeom.probing.tracking import ProbeError
+
+    need({"transformers": "accelerate", "lightning": "lightning"}[extra])
+    module = __import__(f"qkgeom.integrations.{extra}", fromlist=["QKGeometryCallback"])
+    kwargs = {"batch": blocks()[:4], "out": tmp_path / "run"} | kwargs
+    with pytest.raises(ProbeError, match=why):
+        module.QKGeometryCallback(**kwargs)
+    assert not (tmp_path / "run").exists()
+    module.QKGeometryCallback(blocks()[:4], tmp_path / "run", every=5, logit_max_seqs=2, pr_convention="singular")
 
 
 def test_the_core_never_imports_the_integrations():
