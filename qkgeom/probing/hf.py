@@ -102,15 +102,21 @@ def qkgeom_attention(
         layer = rec.order.setdefault(id(module), len(rec.order))
         support = allowed.expand(B, -1, T, S)[:, 0].sum(-1)  # (B, T) keys visible to each query
         causal = bool(getattr(module, "is_causal", False))
+        # a sliding-window layer (Mistral, Gemma, Qwen2/3, Phi-3, OLMo-3, SmolLM3) names its window here, and
+        # its mask above holds it: the logit statistics see the keys its softmax sees
+        window = kwargs.get("sliding_window") if causal else None
         pre = rec.pre.pop(layer) if "post_rotary" in rec.active else None
         # the logit spectrum is of the scores the model uses: q k^T * scale (e.g. Gemma's
         # query_pre_attn_scalar, OPT's pre-scaled q with scale 1), not always q k^T / sqrt(E)
         logit_scale = scale * E**0.5
         if pre is not None:
-            rec.active["post_rotary"].update_layer(layer, query, key, pattern, support, causal, logit_scale=logit_scale)
-            rec.active["pre_rotary"].update_layer(layer, pre["q"], pre["k"], None, support, causal)
+            post, pre_acc = rec.active["post_rotary"], rec.active["pre_rotary"]
+            post.update_layer(layer, query, key, pattern, support, causal, logit_scale=logit_scale, window=window)
+            pre_acc.update_layer(layer, pre["q"], pre["k"], None, support, causal, window=window)
         else:
-            rec.active["none"].update_layer(layer, query, key, pattern, support, causal, logit_scale=logit_scale)
+            rec.active["none"].update_layer(
+                layer, query, key, pattern, support, causal, logit_scale=logit_scale, window=window
+            )
         if rec.keep is not None:
             rec.keep.append(
                 {
@@ -120,6 +126,7 @@ def qkgeom_attention(
                     "pattern": pattern.detach(),
                     "scale": scale,
                     "softcap": softcap,
+                    "window": window,
                     **({"pre_q": pre["q"], "pre_k": pre["k"]} if "post_rotary" in rec.active else {}),
                 }
             )

@@ -15,19 +15,24 @@ from qkgeom.probing import geometry as G
 Tensor = torch.Tensor
 
 
-def visible_scores(q: Tensor, k: Tensor, causal: bool) -> tuple[Tensor, Tensor]:
+def visible_scores(q: Tensor, k: Tensor, causal: bool, window: int | None = None) -> tuple[Tensor, Tensor]:
     """Scores q.k / sqrt(d_head) (..., T, T) in float64 for float64 input, else float32, and the (T, T)
-    mask of the keys each query sees (lower triangle if causal)."""
+    mask of the keys each query sees: all, or keys j <= i if causal, and of those only the last `window`
+    (i - window < j, a sliding-window layer's: Mistral, Gemma, Qwen2/3, Phi-3, OLMo-3, SmolLM3)."""
     work = torch.float64 if q.dtype == torch.float64 or k.dtype == torch.float64 else torch.float32
     scores = (q.detach().to(work) @ k.detach().to(work).transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))
     t = scores.shape[-1]
     visible = torch.ones(t, t, dtype=torch.bool, device=scores.device)
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"a sliding window must see at least one key, got {window}")
+        visible = torch.triu(visible, -(window - 1))
     return scores, torch.tril(visible) if causal else visible
 
 
-def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
+def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True, window: int | None = None) -> Tensor:
     """Singular values (descending, float64) of the score matrix S = Q K^T / sqrt(d_head), future
-    entries zeroed if causal. q, k: (..., T, d_head) -> (..., T).
+    entries zeroed if causal (and those past a sliding `window`, visible_scores). q, k: (..., T, d_head) -> (..., T).
 
     S is formed in the inputs' precision (float32 for a float32 model: the scores the model itself
     computes; float64 inputs stay float64) and its singular values taken as sqrt(eig(S^T S)) with
@@ -36,7 +41,7 @@ def logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
     summaries (PR of s^2, s_max) resolve. If the float32 solve fails (it can, on some CPUs, for
     ill-conditioned input), geometry.robust_eigvalsh falls back to float64, then to an SVD.
     """
-    return singular_values_of_scores(*visible_scores(q, k, causal))
+    return singular_values_of_scores(*visible_scores(q, k, causal, window))
 
 
 def singular_values_of_scores(scores: Tensor, visible: Tensor) -> Tensor:
@@ -83,11 +88,12 @@ def centred_logit_singular_values(q: Tensor, k: Tensor, causal: bool = True) -> 
     return ev.flip(-1).clamp_min(0).sqrt() * top[..., 0].to(torch.float64)
 
 
-def logit_row_std(q: Tensor, k: Tensor, causal: bool = True) -> Tensor:
+def logit_row_std(q: Tensor, k: Tensor, causal: bool = True, window: int | None = None) -> Tensor:
     """Per query row, the standard deviation of its scores q.k / sqrt(d_head) over the keys it sees
-    (all keys, or keys <= its position if causal): the logit scale that sets how peaked its softmax
-    can be. q, k: (..., T, d_head) -> (..., T), NaN for rows that see fewer than 2 keys."""
-    return row_std_of_scores(*visible_scores(q, k, causal))
+    (all keys, or keys <= its position if causal; within a sliding `window`, visible_scores): the logit
+    scale that sets how peaked its softmax can be. q, k: (..., T, d_head) -> (..., T), NaN for rows that
+    see fewer than 2 keys."""
+    return row_std_of_scores(*visible_scores(q, k, causal, window))
 
 
 def row_std_of_scores(scores: Tensor, visible: Tensor) -> Tensor:
@@ -101,11 +107,12 @@ def row_std_of_scores(scores: Tensor, visible: Tensor) -> Tensor:
     return torch.where(n >= 2, std, torch.full_like(std, float("nan")))
 
 
-def logit_sums(q: Tensor, k: Tensor, causal: bool, convention: str) -> dict[str, Tensor]:
+def logit_sums(q: Tensor, k: Tensor, causal: bool, convention: str, window: int | None = None) -> dict[str, Tensor]:
     """Per-head sums over the sequences of q, k (..., B, H, T, E) of the logit statistics at logit scale 1:
-    PR of the (causal) score matrix's squared singular values, its top singular value, the 90%-energy
-    rank of the row-centred scores, and the per-row logit std (sum, sum of squares, finite-row count)."""
-    scores, visible = visible_scores(q, k, causal)  # formed once for the row std and the spectrum
+    PR of the (causal, windowed) score matrix's squared singular values, its top singular value, the
+    90%-energy rank of the row-centred scores, and the per-row logit std (sum, sum of squares, finite-row
+    count)."""
+    scores, visible = visible_scores(q, k, causal, window)  # formed once for the row std and the spectrum
     row_std = row_std_of_scores(scores, visible).transpose(-3, -2).flatten(-2)  # (..., H, B*T)
     finite = torch.isfinite(row_std[..., :1, :]).expand_as(row_std)  # rows with >= 2 keys (head 0 decides)
     row_std = torch.where(finite, row_std, 0.0)

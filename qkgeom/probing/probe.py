@@ -105,6 +105,7 @@ class _Held(NamedTuple):
     k: Tensor  # (B, H_kv, T, E)
     causal: bool
     scale: float
+    window: int | None  # a sliding-window layer's keys per query (None: all it may see)
 
 
 class GeometryAccumulator:
@@ -148,15 +149,19 @@ class GeometryAccumulator:
         causal: bool = True,
         token_mask: Tensor | None = None,
         logit_scale: float = 1.0,
+        window: int | None = None,
     ) -> None:
         """Add one batch of one layer. q (B, H_q, T, E), k (B, H_kv, T, E), pattern (B, H_q, T, S),
         support (B, T): keys visible to each query; token_mask (B, T): real tokens; logit_scale: the
-        model's scores are q k^T / sqrt(E) times this (1 for the standard scaling). The logit sequences
-        wait, and are solved with every other layer's at rows(): no round trip to the host here."""
+        model's scores are q k^T / sqrt(E) times this (1 for the standard scaling); window: a sliding-window
+        layer's keys per query (its logit statistics see those alone, as its softmax does). The logit
+        sequences wait, and are solved with every other layer's at rows(): no round trip to the host here."""
         self._update_stats(layer, q, k, pattern, support, token_mask, logit_scale)
-        self._hold_logits(layer, q, k, causal, token_mask, logit_scale)
+        self._hold_logits(layer, q, k, causal, token_mask, logit_scale, window)
 
-    def _hold_logits(self, layer: int, q: Tensor, k: Tensor, causal: bool, mask: Tensor | None, scale: float) -> None:
+    def _hold_logits(
+        self, layer: int, q: Tensor, k: Tensor, causal: bool, mask: Tensor | None, scale: float, window: int | None
+    ) -> None:
         """Keep copies of the layer's logit sequences (the first, up to settings.logit_seqs in all) for
         _solve_held; solve what is held once it would form more than _HELD_SCORES scores."""
         if not self.logit_spectrum or mask is not None:
@@ -165,7 +170,7 @@ class GeometryAccumulator:
         held = sum(h.q.shape[0] for h in self._held if h.layer == layer)
         room = q.shape[0] if cap is None else cap - st.logit_n - held
         if room > 0:  # copies of the first sequences only: the batch itself is not kept alive
-            self._held.append(_Held(layer, q.detach()[:room].clone(), k.detach()[:room].clone(), causal, scale))
+            self._held.append(_Held(layer, q.detach()[:room].clone(), k.detach()[:room].clone(), causal, scale, window))
             budget = _HELD_SCORES.get(q.device.type, _HELD_SCORES["cuda"])
             if sum(h.q.shape[0] * h.q.shape[1] * h.q.shape[2] ** 2 for h in self._held) > budget:
                 self._solve_held()
@@ -178,11 +183,11 @@ class GeometryAccumulator:
             wave: list[_Held] = []
             later: list[_Held] = []
             for h in held:
-                fits = all(w.layer != h.layer for w in wave) and (not wave or h.causal == wave[0].causal)
-                (wave if fits else later).append(h)
+                same = not wave or (h.causal, h.window) == (wave[0].causal, wave[0].window)
+                (wave if same and all(w.layer != h.layer for w in wave) else later).append(h)
             held = later
             layers, qs, ks = [h.layer for h in wave], [h.q for h in wave], [h.k for h in wave]
-            self._update_logits(layers, qs, ks, wave[0].causal, None, [h.scale for h in wave])
+            self._update_logits(layers, qs, ks, wave[0].causal, None, [h.scale for h in wave], wave[0].window)
 
     def _update_stats(
         self,
@@ -208,7 +213,14 @@ class GeometryAccumulator:
             self._update_entropy(st, pattern, support, token_mask)
 
     def _update_logits(
-        self, layers: list[int], qs: list[Tensor], ks: list[Tensor], causal: bool, mask: Tensor | None, scales: list
+        self,
+        layers: list[int],
+        qs: list[Tensor],
+        ks: list[Tensor],
+        causal: bool,
+        mask: Tensor | None,
+        scales: list,
+        window: int | None = None,
     ) -> None:
         """The logit spectrum of the first sequences (up to settings.logit_seqs in all) of each of `layers`;
         layers of one shape with the same room left are stacked and solved in one batch (same values:
@@ -226,7 +238,7 @@ class GeometryAccumulator:
             q = torch.stack([qs[j][:room] for j in members])  # (L, B, H_q, T, E)
             k = torch.stack([ks[j][:room] for j in members])
             k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)  # each query head with the key head it reads
-            sums = LG.logit_sums(q, k, causal, self.settings.conventions.pr)
+            sums = LG.logit_sums(q, k, causal, self.settings.conventions.pr, window)
             for i, j in enumerate(members):
                 self._add_logits(self.layers[layers[j]], {key: v[i] for key, v in sums.items()}, scales[j], room)
 

@@ -42,12 +42,13 @@ CONFIGS = {
     "gpt_neox": GPTNeoXConfig(rotary_pct=0.25, **DECODER),
     "llama": LlamaConfig(num_key_value_heads=2, **DECODER),
     "qwen2": Qwen2Config(num_key_value_heads=1, **DECODER),
-    "mistral": MistralConfig(num_key_value_heads=2, sliding_window=None, **DECODER),
+    "mistral": MistralConfig(num_key_value_heads=2, sliding_window=5, **DECODER),  # a window of 5 of 16 keys
     "bert": BertConfig(**DECODER),
     "qwen3": Qwen3Config(num_key_value_heads=2, head_dim=8, **DECODER),
     "olmo2": Olmo2Config(num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **DECODER),
-    "gemma2": Gemma2Config(num_key_value_heads=2, head_dim=8, **DECODER),  # logit softcap, query_pre_attn_scalar
-    "gemma3_text": Gemma3TextConfig(num_key_value_heads=2, head_dim=8, **DECODER),
+    # logit softcap, query_pre_attn_scalar; layer 0 slides (window 5), layer 1 sees every earlier key
+    "gemma2": Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=5, **DECODER),
+    "gemma3_text": Gemma3TextConfig(num_key_value_heads=2, head_dim=8, sliding_window=5, **DECODER),
     "phi3": Phi3Config(num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **DECODER),
     "opt": OPTConfig(
         num_hidden_layers=2,
@@ -67,6 +68,13 @@ CONFIGS = {
 }
 KEY_HEADS = {"llama": 2, "qwen2": 1, "mistral": 2, "qwen3": 2, "olmo2": 2, "gemma2": 2, "gemma3_text": 2, "phi3": 2}
 KEY_HEADS["gpt_bigcode"] = 1  # multi-query
+WINDOWED = {"mistral": [5, 5], "gemma2": [5, None], "gemma3_text": [5, 5]}  # each layer's sliding window
+
+
+def visible(T: int, window: int | None) -> torch.Tensor:
+    """The keys each query of a causal layer sees: j <= i, and i - window < j in a sliding-window layer."""
+    allowed = torch.ones(T, T, dtype=torch.bool).tril()
+    return allowed if window is None else allowed.triu(-(window - 1))
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -104,6 +112,7 @@ def test_patterns_equal_the_models_own_eager_attention(folder):
         ref = eager(input_ids=x, output_attentions=True)
         out = ours(input_ids=x)
     assert len(kept) == len(ref.attentions) == 2
+    assert [m["window"] for m in kept] == WINDOWED.get(name, [None, None])
     for layer, (mine, theirs) in enumerate(zip(kept, ref.attentions, strict=True)):
         assert mine["layer"] == layer
         # recompute the probabilities from the captured q, k alone
@@ -112,7 +121,7 @@ def test_patterns_equal_the_models_own_eager_attention(folder):
         if mine["softcap"] is not None:
             scores = torch.tanh(scores / mine["softcap"]) * mine["softcap"]
         if name != "bert":
-            scores = scores.masked_fill(~torch.ones(16, 16, dtype=torch.bool).tril(), float("-inf"))
+            scores = scores.masked_fill(~visible(16, mine["window"]), float("-inf"))
         assert torch.allclose(scores.softmax(-1), theirs, atol=1e-5)
         assert theirs.max() > 5 / theirs.shape[-1]  # far from uniform: the test has teeth
     key = "logits" if name != "bert" else "last_hidden_state"
@@ -125,6 +134,35 @@ def test_patterns_equal_the_models_own_eager_attention(folder):
     assert key_heads == set(range(n_kv))
     ent = [r["value"] for r in rows if r["metric"] == "attention_entropy_normalised" and r["head"] >= 0]
     assert all(0 <= v <= 1 for v in ent)
+
+
+@pytest.mark.parametrize("name", sorted(WINDOWED))
+def test_logit_statistics_see_the_sliding_window(name):
+    """A sliding-window layer's softmax sees the last `window` keys; its logit row std and spectral norm
+    are of those scores too (they were of every earlier key, as in a full layer). Checked against numpy on
+    the captured q, k: each row's std over the keys it sees, the top singular value of the scores with
+    the unseen ones zero, averaged over rows / sequences, at the model's own logit scale."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]).eval()  # analyse_model reads it through its own attention
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if ("q_proj" in n or "k_proj" in n) and p.dim() == 2:
+                p.mul_(8)
+    kept = []
+    rows, _ = P.analyse_model(model, iter([ids(3, 16)]), keep=kept)
+    got = {(r["layer"], r["head"], r["metric"]): r["value"] for r in rows if r["site"] == "post_rotary"}
+    for mine in kept:
+        q = mine["q"].double().numpy()
+        k = mine["k"].repeat_interleave(4 // mine["k"].shape[1], dim=1).double().numpy()
+        seen = visible(16, WINDOWED[name][mine["layer"]]).numpy()  # the config's window, not the code's
+        for h in range(4):
+            scores = q[:, h] @ k[:, h].transpose(0, 2, 1) * mine["scale"]  # (3 sequences, 16, 16)
+            row_std = np.mean([np.std(s[i, seen[i]]) for s in scores for i in range(1, 16)])  # row 0 sees one key
+            top = np.mean([np.linalg.svd(np.where(seen, s, 0.0), compute_uv=False)[0] for s in scores])
+            layer = mine["layer"]
+            assert got[(layer, h, "logit_row_std")] == pytest.approx(row_std, rel=1e-4), (layer, h)
+            assert got[(layer, h, "logit_spectral_norm")] == pytest.approx(top, rel=1e-4), (layer, h)
+    assert [m["window"] for m in kept] == WINDOWED[name] and 5 in WINDOWED[name]  # a window that cuts: teeth
 
 
 @torch.no_grad()
