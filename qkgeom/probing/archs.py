@@ -211,7 +211,11 @@ ARCHS = {
     "qwen2": Arch("q_proj", "linear", rotary=True),
     "mistral": Arch("q_proj", "linear", rotary=True),
     "qwen3": Arch("q_proj", "linear", rotary=True, qk_norm="head"),
+    "olmo": Arch("q_proj", "linear", rotary=True),  # OLMo 1 (its clip_qkv clamps q, k in place: recorded clamped)
     "olmo2": Arch("q_proj", "linear", rotary=True, qk_norm="full"),
+    "olmo3": Arch("q_proj", "linear", rotary=True, qk_norm="full"),
+    "olmoe": Arch("q_proj", "linear", rotary=True, qk_norm="full"),
+    "smollm3": Arch("q_proj", "linear", rotary=True),  # its NoPE layers: pre-rotary = post-rotary
     "gemma2": Arch("q_proj", "linear", rotary=True, gain_offset=1.0),
     "gemma3_text": Arch("q_proj", "linear", rotary=True, qk_norm="head", gain_offset=1.0, norm_heads_first=True),
     "phi3": Arch("qkv_proj", "fused_qkv", rotary=True),

@@ -18,10 +18,14 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
+    Olmo3Config,
+    OlmoConfig,
+    OlmoeConfig,
     OPTConfig,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
+    SmolLM3Config,
     T5Config,
 )
 
@@ -37,6 +41,7 @@ DECODER = dict(
     max_position_embeddings=64,
     **SMALL,
 )
+TOKENS = dict(pad_token_id=0, bos_token_id=1, eos_token_id=2)  # ids inside the small vocabulary
 CONFIGS = {
     "gpt2": GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=64, **SMALL),
     "gpt_neox": GPTNeoXConfig(rotary_pct=0.25, **DECODER),
@@ -45,11 +50,15 @@ CONFIGS = {
     "mistral": MistralConfig(num_key_value_heads=2, sliding_window=5, **DECODER),  # a window of 5 of 16 keys
     "bert": BertConfig(**DECODER),
     "qwen3": Qwen3Config(num_key_value_heads=2, head_dim=8, **DECODER),
-    "olmo2": Olmo2Config(num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **DECODER),
+    "olmo2": Olmo2Config(num_key_value_heads=2, **TOKENS, **DECODER),
+    "olmo": OlmoConfig(num_key_value_heads=2, clip_qkv=1.5, **TOKENS, **DECODER),  # q, k clamped to [-1.5, 1.5]
+    "olmo3": Olmo3Config(num_key_value_heads=2, sliding_window=5, **TOKENS, **DECODER),
+    "olmoe": OlmoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, **TOKENS, **DECODER),
+    "smollm3": SmolLM3Config(num_key_value_heads=2, no_rope_layers=[1, 0], **TOKENS, **DECODER),  # layer 1: NoPE
     # logit softcap, query_pre_attn_scalar; layer 0 slides (window 5), layer 1 sees every earlier key
     "gemma2": Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=5, **DECODER),
     "gemma3_text": Gemma3TextConfig(num_key_value_heads=2, head_dim=8, sliding_window=5, **DECODER),
-    "phi3": Phi3Config(num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2, **DECODER),
+    "phi3": Phi3Config(num_key_value_heads=2, **TOKENS, **DECODER),
     "opt": OPTConfig(
         num_hidden_layers=2,
         hidden_size=32,
@@ -67,8 +76,10 @@ CONFIGS = {
     ),
 }
 KEY_HEADS = {"llama": 2, "qwen2": 1, "mistral": 2, "qwen3": 2, "olmo2": 2, "gemma2": 2, "gemma3_text": 2, "phi3": 2}
+KEY_HEADS |= {"olmo": 2, "olmo3": 2, "olmoe": 2, "smollm3": 2}
 KEY_HEADS["gpt_bigcode"] = 1  # multi-query
-WINDOWED = {"mistral": [5, 5], "gemma2": [5, None], "gemma3_text": [5, 5]}  # each layer's sliding window
+# each layer's sliding window
+WINDOWED = {"mistral": [5, 5], "gemma2": [5, None], "gemma3_text": [5, 5], "olmo3": [5, 5]}
 
 
 def visible(T: int, window: int | None) -> torch.Tensor:
