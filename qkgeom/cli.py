@@ -214,9 +214,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_set_arg(p, "override a field, e.g. --set logit_max_seqs=16 (repeatable; the flags below are shortcuts)")
     p.add_argument("--revision", action="append", default=[], help="revision (repeatable), e.g. step1000")
     p.add_argument("--family", choices=["pythia"], help="add a built-in revision schedule")
-    p.add_argument("--every", type=int, help="with --family: keep every k-th of the linear part (default 1)")
     p.add_argument(
-        "--all-revisions", action="store_true", default=None, help="every revision sub-folder of a local model folder"
+        "--every",
+        type=int,
+        help="with --family: keep every k-th of the linear part; with --all-revisions: every k-th past "
+        "--early-max-step, and the last (default 1)",
+    )
+    p.add_argument(
+        "--all-revisions",
+        action="store_true",
+        default=None,
+        help="every revision sub-folder of a local model folder, or every branch of a hub model named by a "
+        "training step (step1000, step20000-tokens84B; of its first training stage), in step order",
+    )
+    p.add_argument(
+        "--dry-run", action="store_true", help="list the revisions (and which are done) without loading a model"
     )
     p.add_argument("--text", help="text file to sample (default: WikiText-2 validation, raw where available)")
     p.add_argument(

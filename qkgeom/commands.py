@@ -205,6 +205,10 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
     if not (pc.all_revisions or pc.family):  # one model folder, or one a revision: refused before the imports
         for rev in pc.revisions or [None]:
             resolve_revision(pc.model, rev)
+    slug = pc.model.strip("/").replace("/", "__")
+    out = Path(args.out) if args.out else Path(args.runs) / "pretrained" / slug
+    if args.dry_run:
+        return _list_revisions(pc, out)
     from transformers.utils import logging as hf_logging
 
     from qkgeom.analysis.families import family_tables
@@ -215,12 +219,24 @@ def cmd_pretrained(args: argparse.Namespace) -> int:
     # (read outside probing.hf.hf_quiet) would otherwise stand above a refusal's single line
     hf_logging.disable_progress_bar()
     hf_logging.set_verbosity_error()
-    slug = pc.model.strip("/").replace("/", "__")
-    out = Path(args.out) if args.out else Path(args.runs) / "pretrained" / slug
     folders = run_pretrained(pc, out, args.executor, args.address, progress=not args.no_progress)
     family_tables(out, pc.early_max_step)  # judged and written, then drawn
     report = write_family_report(out)
     print(f"{len(folders)} revision(s) of {pc.model} -> {out}\nreport: {report}")
+    return 0
+
+
+def _list_revisions(pc, out: Path) -> int:
+    """`qkgeom pretrained ... --dry-run`: the revisions the command would measure, and which are done."""
+    from qkgeom.config import safe_name
+    from qkgeom.families.revisions import family_revisions
+    from qkgeom.results import RunDir
+
+    revisions = family_revisions(pc)
+    done = [RunDir(out / safe_name(rev or "main")).is_done() for rev in revisions]
+    for rev, ok in zip(revisions, done, strict=True):
+        print(f"{'done   ' if ok else 'to do  '}{rev or 'main'}")
+    print(f"{len(revisions)} revision(s) of {pc.model} ({sum(done)} done) -> {out}")
     return 0
 
 

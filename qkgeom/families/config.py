@@ -97,7 +97,10 @@ def load_pretrained(path: str | Path | None = None, overrides: list[str] | None 
     need(pc.batch_size > 0, f"pretrained.batch_size must be positive, got {pc.batch_size}")
     need((wrong := device_name_problem(pc.device)) is None, f"pretrained.device {wrong}")
     need(pc.every >= 1, f"pretrained.every must be >= 1, got {pc.every}")
-    need(pc.every == 1 or bool(pc.family), f"pretrained.every = {pc.every} thins a family schedule; none is named")
+    need(
+        pc.every == 1 or bool(pc.family) or pc.all_revisions,
+        f"pretrained.every = {pc.every} thins a family schedule or all_revisions; neither is named",
+    )
     need(pc.early_max_step >= 0, f"pretrained.early_max_step must be >= 0, got {pc.early_max_step}")
     need(pc.family in ("", "pythia"), f"pretrained.family must be 'pythia' or empty, got {pc.family!r}")
     try:

@@ -12,6 +12,7 @@ Hugging Face path analyses them.
 from __future__ import annotations
 
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,10 +67,72 @@ def pythia_revisions(every: int = 1) -> list[str]:
     return [f"step{s}" for s in early + late]
 
 
+# a training step, tokens and stage in a revision's name: step1000 (Pythia), step_1000 (our exports),
+# step20000-tokens84B (OLMo), stage1-step5000-tokens21B (OLMo-2)
+_STEP = re.compile(r"(?:^|[-_])step[-_]?(\d+)(?=$|[-_])")
+_TOKENS = re.compile(r"(?:^|[-_])tokens(\d+(?:\.\d+)?)([KMBT])(?=$|[-_])")
+_STAGE = re.compile(r"stage(\d+)[-_]")
+_UNIT = {"K": 10**3, "M": 10**6, "B": 10**9, "T": 10**12}
+
+
 def step_of(revision: str) -> int | None:
-    """The optimiser step encoded in a revision name (step1000, step_1000), if any."""
-    m = re.fullmatch(r"step_?(\d+)", revision)
+    """The optimiser step a revision's name carries (step1000, step_1000, step20000-tokens84B), if any."""
+    m = _STEP.search(revision)
     return int(m.group(1)) if m else None
+
+
+def tokens_of(revision: str) -> int | None:
+    """The training tokens a revision's name carries (tokens84B: 84e9, as the name rounds them), if any."""
+    m = _TOKENS.search(revision)
+    return round(float(m.group(1)) * _UNIT[m.group(2)]) if m else None
+
+
+def stage_of(revision: str) -> int:
+    """The training stage a revision's name opens with (stage2-ingredient1-step1000: 2); 1 where none."""
+    m = _STAGE.match(revision)
+    return int(m.group(1)) if m else 1
+
+
+def thinned(revisions: list[str], every: int, keep_through: int) -> list[str]:
+    """Revisions in step order thinned as --every thins Pythia's schedule: all up to step `keep_through`
+    (the early window the family trends are judged in), then every k-th of the rest, and the last."""
+    early = [r for r in revisions if (step_of(r) or 0) <= keep_through]
+    late = [r for r in revisions if (step_of(r) or 0) > keep_through]
+    kept = late[every - 1 :: every]
+    return early + kept + ([late[-1]] if late and late[-1] not in kept else [])
+
+
+def hub_revisions(model: str) -> list[str]:
+    """The branches of a hub model named by a training step, in step order: its first training stage's
+    (OLMo-2's stage1-...; a later stage restarts its steps, so it is left out, and stderr says so)."""
+    from huggingface_hub import HfApi, constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise archs.PretrainedError(
+            f"--all-revisions lists the branches of {model} on the hub, and HF_HUB_OFFLINE is set: "
+            "name the cached revisions with --revision"
+        )
+    try:
+        branches = [b.name for b in HfApi().list_repo_refs(model).branches]
+    except Exception as e:  # the hub's and the network's errors, whichever HTTP library the client uses
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise archs.PretrainedError(f"cannot list the revisions of {model} on the hub: {first}") from None
+    named = [b for b in branches if step_of(b) is not None]
+    if not named:
+        some = ", ".join(sorted(branches)[:5]) or "none"
+        raise archs.PretrainedError(
+            f"{model} has no branch named by a training step on the hub (branches: {some}): name revisions "
+            "with --revision"
+        )
+    first = min(map(stage_of, named))
+    kept = [b for b in named if stage_of(b) == first]
+    if len(kept) < len(named):
+        print(
+            f"qkgeom pretrained: {len(named) - len(kept)} revision(s) of {model} from later training stages "
+            "left out (their steps restart); name them with --revision",
+            file=sys.stderr,
+        )
+    return sorted(kept, key=lambda r: (step_of(r), r))
 
 
 def tokens_per_step(model_path: str) -> int | None:
@@ -110,12 +173,13 @@ def analyse_revision(
     rows, spectra = analyse_model(model, batches, progress, pc.settings)
     step = step_of(rev)
     tps = tokens_per_step(path)
+    tokens_seen = step * tps if step is not None and tps else tokens_of(rev)  # else the name's (OLMo's tokens84B)
     n_seqs = min(pc.n_tokens, len(tokens)) // ((seq_len - len(prefix)) * pc.batch_size) * pc.batch_size
     info = {
         "model": pc.model,
         "revision": rev,
         "step": step,
-        "tokens_seen": step * tps if step is not None and tps else None,
+        "tokens_seen": tokens_seen,
         "weights_sha256": weights_digest(model),
         "model_type": model.config.model_type,
         "pretrained_config": C.to_dict(pc),  # every setting that changes a number
@@ -133,7 +197,7 @@ def analyse_revision(
         [
             {
                 "step": -1 if step is None else step,
-                "tokens_seen": -1 if tps is None or step is None else step * tps,
+                "tokens_seen": -1 if tokens_seen is None else tokens_seen,
                 **r,
             }
             for r in rows
@@ -183,16 +247,19 @@ def local_revisions(root: Path) -> list[str]:
 
 
 def family_revisions(pc: PretrainedConfig) -> list[str | None]:
-    """The revisions a config names: its list, its family schedule, every sub-folder of a local
-    folder (ordered by step), or [None] (the default revision); each once, in that order."""
+    """The revisions a config names: its list, its family schedule, every sub-folder of a local folder
+    or every step-named branch of a hub model (ordered by step, thinned by `every` past the early
+    window), or [None] (the default revision); each once, in that order."""
     revisions: list[str | None] = list(pc.revisions)
     if pc.family == "pythia":
         revisions += pythia_revisions(pc.every)
     if pc.all_revisions:
         root = Path(pc.model)
-        if not root.is_dir():
-            raise archs.PretrainedError(f"pretrained.all_revisions needs a local folder, got {pc.model!r}")
-        revisions += sorted(local_revisions(root), key=lambda r: (step_of(r) is None, step_of(r) or 0, r))
+        if root.is_dir():
+            listed = sorted(local_revisions(root), key=lambda r: (step_of(r) is None, step_of(r) or 0, r))
+        else:
+            listed = hub_revisions(pc.model)
+        revisions += thinned(listed, pc.every, pc.early_max_step)
     return list(dict.fromkeys(revisions)) or [None]  # --revision step1000 --family pythia names it twice
 
 

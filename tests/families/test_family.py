@@ -51,9 +51,38 @@ def test_a_revision_named_twice_is_measured_once_and_every_needs_a_family():
     revs = F.family_revisions(pc)
     assert revs[:3] == ["step1000", "x", "step0"] and revs.count("step1000") == 1
     assert len(revs) == 2 + 11 + 143 - 1
-    with pytest.raises(ConfigError, match="pretrained.every = 10 thins a family schedule; none is named"):
+    with pytest.raises(ConfigError, match="pretrained.every = 10 thins a family schedule or all_revisions; neither"):
         load_pretrained(None, ['model="EleutherAI/pythia-70m"', "every=10"])
     assert load_pretrained(None, ['model="m"', 'family="pythia"', "every=10"]).every == 10
+
+
+def test_revision_names_give_step_tokens_and_stage():
+    """The branch names of the checkpoint families on the hub: Pythia's, OLMo's, OLMo-2's, our exports'."""
+    cases = {
+        "step1000": (1000, None, 1),
+        "step_20": (20, None, 1),
+        "step20000-tokens84B": (20000, 84 * 10**9, 1),
+        "stage1-step5000-tokens21B": (5000, 21 * 10**9, 1),
+        "stage2-ingredient1-step1000-tokens5B": (1000, 5 * 10**9, 2),
+        "step0-tokens0B": (0, 0, 1),
+        "step3-tokens1.5M": (3, 1_500_000, 1),
+        "main": (None, None, 1),
+        "steps100": (None, None, 1),
+        "mystep10": (None, None, 1),
+    }
+    for name, want in cases.items():
+        assert (F.step_of(name), F.tokens_of(name), F.stage_of(name)) == want, name
+
+
+def test_all_revisions_are_thinned_past_the_early_window():
+    """--every k with --all-revisions: every revision up to --early-max-step (the early trend's window),
+    then every k-th of the rest and the last, as --family pythia --every k thins Pythia's linear part."""
+    revs = [f"step{s}-tokens{s}B" for s in (0, 500, 1000, 2000, 3000, 4000, 5000, 6000)]
+    assert F.thinned(revs, 1, 1000) == revs
+    assert [F.step_of(r) for r in F.thinned(revs, 2, 1000)] == [0, 500, 1000, 3000, 5000, 6000]
+    assert [F.step_of(r) for r in F.thinned(revs, 3, 1000)] == [0, 500, 1000, 4000, 6000]
+    assert [F.step_of(r) for r in F.thinned(revs, 10, 0)] == [0, 6000]
+    assert F.pythia_revisions(10)[11:] == F.thinned(F.pythia_revisions(), 10, 512)[11:]  # the same rule
 
 
 @pytest.fixture(scope="module")
