@@ -33,9 +33,11 @@ class PretrainedConfig:
     family: str = ""
     """A built-in revision schedule to add: `pythia` (step0, 1, 2, 4, ..., 143000) or empty."""
     every: int = 1
-    """With family: keep every k-th revision of the schedule's linear part."""
+    """With family: keep every k-th revision of the schedule's linear part; with all_revisions: every
+    revision up to early_max_step, then every k-th and the last."""
     all_revisions: bool = False
-    """Every revision sub-folder of a local model folder (e.g. an exported qkgeom run)."""
+    """Every revision sub-folder of a local model folder (e.g. an exported qkgeom run), or every branch
+    of a hub model named by a training step (OLMo's step20000-tokens84B), of its first training stage."""
     text: str = ""
     """Text file to sample; empty: WikiText-2 validation (raw where the mirror has it)."""
     tokenizer: str = ""
