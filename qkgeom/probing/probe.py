@@ -160,7 +160,14 @@ class GeometryAccumulator:
         self._hold_logits(layer, q, k, causal, token_mask, logit_scale, window)
 
     def _hold_logits(
-        self, layer: int, q: Tensor, k: Tensor, causal: bool, mask: Tensor | None, scale: float, window: int | None
+        self,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        causal: bool,
+        mask: Tensor | None,
+        scale: float,
+        window: int | None = None,  # last, defaulted: bench/probe_split.py calls this as older trees had it
     ) -> None:
         """Keep copies of the layer's logit sequences (the first, up to settings.logit_seqs in all) for
         _solve_held; solve what is held once it would form more than _HELD_SCORES scores."""
