@@ -95,11 +95,11 @@ def stage_of(revision: str) -> int:
 
 def thinned(revisions: list[str], every: int, keep_through: int) -> list[str]:
     """Revisions in step order thinned as --every thins Pythia's schedule: all up to step `keep_through`
-    (the early window the family trends are judged in), then every k-th of the rest, and the last."""
-    early = [r for r in revisions if (step_of(r) or 0) <= keep_through]
+    (the early window the family trends are judged in), then every k-th of the rest, and the last; in
+    the order given (a revision whose name has no step counts as early)."""
     late = [r for r in revisions if (step_of(r) or 0) > keep_through]
-    kept = late[every - 1 :: every]
-    return early + kept + ([late[-1]] if late and late[-1] not in kept else [])
+    dropped = set(late) - set(late[every - 1 :: every]) - set(late[-1:])
+    return [r for r in revisions if r not in dropped]
 
 
 def hub_revisions(model: str) -> list[str]:

@@ -83,6 +83,7 @@ def test_all_revisions_are_thinned_past_the_early_window():
     assert [F.step_of(r) for r in F.thinned(revs, 3, 1000)] == [0, 500, 1000, 4000, 6000]
     assert [F.step_of(r) for r in F.thinned(revs, 10, 0)] == [0, 6000]
     assert F.pythia_revisions(10)[11:] == F.thinned(F.pythia_revisions(), 10, 512)[11:]  # the same rule
+    assert F.thinned(["step_0", "step_2000", "step_3000", "final"], 2, 1000) == ["step_0", "step_3000", "final"]
 
 
 @pytest.fixture(scope="module")
