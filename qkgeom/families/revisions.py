@@ -260,7 +260,14 @@ def family_revisions(pc: PretrainedConfig) -> list[str | None]:
         else:
             listed = hub_revisions(pc.model)
         revisions += thinned(listed, pc.every, pc.early_max_step)
-    return list(dict.fromkeys(revisions)) or [None]  # --revision step1000 --family pythia names it twice
+    revisions = list(dict.fromkeys(revisions))  # --revision step1000 --family pythia names it twice
+    stages = sorted({stage_of(r) for r in revisions if r is not None and step_of(r) is not None})
+    if len(stages) > 1:  # stage2-...-step1000 is not later than stage1-step5000: one step axis cannot hold both
+        raise archs.PretrainedError(
+            f"the revisions come from training stages {', '.join(map(str, stages))}, whose steps restart: "
+            "analyse each stage as a family of its own (--out apart)"
+        )
+    return revisions or [None]
 
 
 def sample_text(pc: PretrainedConfig) -> str:

@@ -86,6 +86,19 @@ def test_all_revisions_are_thinned_past_the_early_window():
     assert F.thinned(["step_0", "step_2000", "step_3000", "final"], 2, 1000) == ["step_0", "step_3000", "final"]
 
 
+def test_revisions_of_two_training_stages_are_refused():
+    """OLMo-2's stage2-ingredient1-step1000 is not earlier than stage1-step5000: its steps restart, so a
+    family that mixed the stages would put both on one step axis. One stage alone is a family."""
+    mixed = ['model="allenai/OLMo-2-tiny"', 'revisions=["stage1-step5000-tokens21B", "stage2-ingredient1-step1000"]']
+    with pytest.raises(P.PretrainedError, match="training stages 1, 2, whose steps restart"):
+        F.family_revisions(load_pretrained(None, mixed))
+    alone = ['model="m"', 'revisions=["stage2-ingredient1-step1000", "stage2-ingredient1-step2000", "main"]']
+    assert F.family_revisions(load_pretrained(None, alone))[:2] == [
+        "stage2-ingredient1-step1000",
+        "stage2-ingredient1-step2000",
+    ]
+
+
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("export")
