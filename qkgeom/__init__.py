@@ -40,13 +40,15 @@ def measure(
     w_k=None,
     pr_convention: str = "variance",
     alpha_convention: str = "weightwatcher",
+    window: int | None = None,
 ) -> pd.DataFrame:
     """Geometry rows from your own q, k (and pattern), from any model (see qkgeom.probing.probe.measure);
     pr_convention: `variance` (default) or `singular` participation ratios; alpha_convention:
-    `weightwatcher` (default: WeightWatcher 0.7.7's fit) or `clauset` heavy-tail alphas."""
+    `weightwatcher` (default: WeightWatcher 0.7.7's fit) or `clauset` heavy-tail alphas; window: a
+    sliding-window layer's keys per query (query t sees keys t - window < j <= t)."""
     from qkgeom.probing.probe import measure as _measure
 
-    return _measure(q, k, pattern, causal, w_q, w_k, pr_convention, alpha_convention)
+    return _measure(q, k, pattern, causal, w_q, w_k, pr_convention, alpha_convention, window)
 
 
 def analyse(

@@ -37,7 +37,8 @@ class QKSnapshot:
 
     q[l]: (B, H_q, T, E); k[l]: (B, H_kv, T, E) with H_q a multiple of H_kv (grouped-query
     attention: query head h reads key head h // (H_q // H_kv)); pattern[l]: (B, H_q, T, T) or None.
-    token_mask: (B, T) True for real tokens (padding excluded from every statistic).
+    token_mask: (B, T) True for real tokens (padding excluded from every statistic). window: a causal
+    sliding-window layer's keys per query (query t sees keys t - window < j <= t), or None.
     """
 
     q: list[Tensor]
@@ -46,6 +47,17 @@ class QKSnapshot:
     causal: bool = True
     site: str = "none"
     token_mask: Tensor | None = None
+    window: int | None = None
+
+
+def _support(valid: Tensor, causal: bool, window: int | None) -> Tensor:
+    """(B, T) real keys each query sees: all, the earlier ones if causal, of those the last `window`."""
+    if not causal:
+        return valid.long().sum(1, keepdim=True).expand_as(valid)
+    seen = torch.cumsum(valid.long(), 1)
+    if window is None:
+        return seen
+    return seen - torch.nn.functional.pad(seen, (window, 0))[:, : seen.shape[1]]  # those in (t - window, t]
 
 
 def _rows_of(x: Tensor, mask: Tensor | None) -> Tensor:
@@ -133,9 +145,10 @@ class GeometryAccumulator:
         for i, (q, k, pat) in enumerate(zip(snap.q, snap.k, snap.pattern, strict=True)):
             B, _, T, _ = q.shape
             valid = mask if mask is not None else torch.ones(B, T, dtype=torch.bool)
-            support = torch.cumsum(valid.long(), 1) if snap.causal else valid.long().sum(1, keepdim=True).expand(B, T)
+            support = _support(valid, snap.causal, snap.window)
             self._update_stats(i, q, k, pat, support, mask)
-        self._update_logits(list(range(len(snap.q))), snap.q, snap.k, snap.causal, mask, [1.0] * len(snap.q))
+        n = len(snap.q)
+        self._update_logits(list(range(n)), snap.q, snap.k, snap.causal, mask, [1.0] * n, snap.window)
         self.site = snap.site
 
     @D.exact_float32()
@@ -377,6 +390,7 @@ def measure(
     w_k: list[Tensor] | None = None,
     pr_convention: str = "variance",
     alpha_convention: str = "weightwatcher",
+    window: int | None = None,
 ):
     """Bring your own activations: q, k (and optionally the attention pattern) from any source ->
     the same tidy rows (layer, head, site, metric, value) as a DataFrame.
@@ -388,13 +402,14 @@ def measure(
     metrics. pr_convention: `variance` (PR of covariance eigenvalues, the default) or `singular` (PR of
     singular values, as public Pythia weight datasets compute it); every PR row's `note` names it.
     alpha_convention: `weightwatcher` (WeightWatcher 0.7.7's fit, the default) or `clauset`.
-    For many batches, stream them through GeometryAccumulator.update instead (memory then does not
-    grow with tokens).
+    window: a sliding-window model's keys per query (query t sees keys t - window < j <= t, causal):
+    the entropy's normalisation and the logit statistics then see those keys alone. For many batches,
+    stream them through GeometryAccumulator.update instead (memory then does not grow with tokens).
     """
     import pandas as pd
 
     settings = ProbeSettings.of(0, pr_convention, alpha_convention)  # one batch handed in: all its sequences
-    return pd.DataFrame(activation_geometry(q, k, pattern, causal, w_q, w_k, settings)[0])
+    return pd.DataFrame(activation_geometry(q, k, pattern, causal, w_q, w_k, settings, window)[0])
 
 
 @D.exact_float32()
@@ -406,6 +421,7 @@ def activation_geometry(
     w_q: list[Tensor] | None = None,
     w_k: list[Tensor] | None = None,
     settings: ProbeSettings = DEFAULT_PROBE,
+    window: int | None = None,
 ) -> tuple[list[dict], dict[str, np.ndarray]]:
     """measure()'s rows as dicts, with the spectra: checked, detached activations through one
     GeometryAccumulator, plus the weight-side rows when w_q and w_k are given."""
@@ -420,8 +436,10 @@ def activation_geometry(
     pats = layers(pattern) if pattern is not None else [None] * len(qs)
     w_q, w_k = (None if w is None else layers(w) for w in (w_q, w_k))
     check_activations(qs, ks, pats, w_q, w_k)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1 or not causal):
+        raise MeasureError(f"window must be a positive number of keys, on a causal layer; got {window!r}")
     acc = GeometryAccumulator(settings=settings)
-    acc.update(QKSnapshot(q=qs, k=ks, pattern=pats, causal=causal))
+    acc.update(QKSnapshot(q=qs, k=ks, pattern=pats, causal=causal, window=window))
     rows, spectra = acc.rows(), acc.spectra()
     if w_q is not None and w_k is not None:
         w_rows, w_spectra = weight_geometry(w_q, w_k, conventions=settings.conventions)

@@ -133,7 +133,7 @@ def _model_config(model: nn.Module) -> dict | None:
 
 
 # capture(model, batch) -> {"q": per-layer (B, H_q, T, E), "k": (B, H_kv, T, E), optional
-# "pattern": (B, H_q, T, T) per layer, "w_q", "w_k": per-layer (H, D, E), "causal": bool}
+# "pattern": (B, H_q, T, T) per layer, "w_q", "w_k": per-layer (H, D, E), "causal": bool, "window": int}
 Capture = Callable[[nn.Module, torch.Tensor], dict[str, Any]]
 
 
@@ -149,7 +149,7 @@ class Probe:
     scalars) -> sent) for the host's own trackers (qkgeom.integrations.trackers; sends counted in
     done.json). resume: continue a folder an interrupted run left (probes after the first step probed
     again are replaced); without it such a folder is refused. capture: for any other
-    model, a function (model, batch) -> {"q", "k", optional "pattern", "w_q", "w_k", "causal"} with
+    model, a function (model, batch) -> {"q", "k", optional "pattern", "w_q", "w_k", "causal", "window"} with
     the shapes of qkgeom.measure (e.g. read with forward hooks); it runs under no_grad in eval mode.
     The folder is locked from here to `finish`/`close`: a second process on it is refused."""
 
@@ -381,7 +381,7 @@ class Probe:
         got = self.capture(model, batch)
         return activation_geometry(
             got["q"], got["k"], got.get("pattern"), got.get("causal", True), got.get("w_q"), got.get("w_k"),
-            self.settings,
+            self.settings, got.get("window"),
         )  # fmt: skip
 
     def log_metrics(

@@ -187,6 +187,39 @@ def test_logit_scale_and_row_std_rows_match_direct_computations():
         assert r[(1, h, "logit_row_std_cv")] == pytest.approx(float(cv), rel=1e-4)
 
 
+def test_measure_reads_a_sliding_window():
+    """measure(..., window=w) for a sliding-window model's activations: each query t sees keys
+    t - w < j <= t, so its normalised entropy is over log min(t + 1, w) keys, and the logit row std and
+    spectral norm are of the band's scores (numpy on the same q, k); without the window the same pattern
+    reads as more peaked than it is. A window on a bidirectional layer, or of no key, is refused."""
+    import qkgeom
+    from qkgeom.probing.probe import MeasureError
+
+    B, H, T, E, w = 3, 2, 12, 8, 4
+    gen = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(B, H, T, E, generator=gen, dtype=torch.float64) for _ in range(2))
+    band = torch.ones(T, T, dtype=torch.bool).tril().triu(-(w - 1))
+    scores = q @ k.transpose(-1, -2) / math.sqrt(E)
+    pattern = scores.masked_fill(~band, float("-inf")).softmax(-1)
+    got = qkgeom.measure(q, k, pattern, window=w).set_index(["layer", "head", "metric"])["value"]
+    plain = qkgeom.measure(q, k, pattern).set_index(["layer", "head", "metric"])["value"]
+    s, seen = scores.numpy(), band.numpy()
+    for h in range(H):
+        p = pattern[:, h].numpy()
+        ent = -(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0)).sum(-1)  # (B, T)
+        norm = np.mean([ent[b, t] / math.log(min(t + 1, w)) for b in range(B) for t in range(1, T)])
+        row_std = np.mean([np.std(s[b, h, t, seen[t]]) for b in range(B) for t in range(1, T)])
+        top = np.mean([np.linalg.svd(np.where(seen, s[b, h], 0.0), compute_uv=False)[0] for b in range(B)])
+        assert got[(0, h, "attention_entropy_normalised")] == pytest.approx(norm, rel=1e-9)
+        assert got[(0, h, "logit_row_std")] == pytest.approx(row_std, rel=1e-9)
+        assert got[(0, h, "logit_spectral_norm")] == pytest.approx(top, rel=1e-6)  # a float32 eigen-solve
+        assert got[(0, h, "attention_entropy")] == plain[(0, h, "attention_entropy")]  # nats: no support in it
+        assert plain[(0, h, "attention_entropy_normalised")] < 0.95 * norm  # log(t + 1) > log w past the window
+    for bad, causal in ((0, True), (4, False), (2.5, True)):
+        with pytest.raises(MeasureError, match="window must be a positive number of keys, on a causal"):
+            qkgeom.measure(q, k, None if not causal else pattern, causal=causal, window=bad)
+
+
 def test_alpha_rows_per_head_and_layer_with_reasons_for_bad_heads():
     """alpha of every head's W_Q, W_K, W_Q W_K^T, W_V, W_O (and each layer's whole matrix at head -1)
     is power_law_alpha of the squared singular values; an all-zero, a rank-one and a non-finite head
