@@ -51,6 +51,7 @@ class _Recorder:
     pre: dict[int, dict[str, Tensor]]  # pre-rotary q/k per layer, filled by the projection / norm hooks
     keep: list[dict[str, Tensor]] | None = None  # if a list: every call's tensors (tests)
     order: dict[int, int] = field(default_factory=dict)  # id(module) -> layer index, in call order
+    windows: dict[int, int | None] = field(default_factory=dict)  # layer -> the sliding window its mask holds
 
 
 # The attention function is registered with transformers by name, so it reaches the recorder of
@@ -71,6 +72,20 @@ def recording(model: nn.Module, accs: dict[str, GeometryAccumulator], keep: list
         _ACTIVE.reset(token)
         for h in handles:
             h.remove()
+
+
+def _window(rec: _Recorder, layer: int, named: int | None, support: Tensor, keys: int) -> int | None:
+    """The sliding window of a causal layer's mask, for its logit statistics: a sliding-window layer
+    (Mistral, Gemma, Qwen2/3, Phi-3, OLMo-3, SmolLM3) names one in its attention call; where it is shorter
+    than the keys, the mask is read for it once per layer (the mask decides, as it does for the softmax:
+    a config may name a window its mask does not apply). No window named, or one that cuts nothing: None,
+    and no read of the device."""
+    if named is None or named >= keys:
+        return None
+    if layer not in rec.windows:
+        seen = int(D.host_list(support.max().reshape(1))[0])  # the most keys any query of the batch sees
+        rec.windows[layer] = seen if seen < keys else None
+    return rec.windows[layer]
 
 
 def qkgeom_attention(
@@ -102,9 +117,7 @@ def qkgeom_attention(
         layer = rec.order.setdefault(id(module), len(rec.order))
         support = allowed.expand(B, -1, T, S)[:, 0].sum(-1)  # (B, T) keys visible to each query
         causal = bool(getattr(module, "is_causal", False))
-        # a sliding-window layer (Mistral, Gemma, Qwen2/3, Phi-3, OLMo-3, SmolLM3) names its window here, and
-        # its mask above holds it: the logit statistics see the keys its softmax sees
-        window = kwargs.get("sliding_window") if causal else None
+        window = _window(rec, layer, kwargs.get("sliding_window") if causal else None, support, S)
         pre = rec.pre.pop(layer) if "post_rotary" in rec.active else None
         # the logit spectrum is of the scores the model uses: q k^T * scale (e.g. Gemma's
         # query_pre_attn_scalar, OPT's pre-scaled q with scale 1), not always q k^T / sqrt(E)

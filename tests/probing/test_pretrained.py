@@ -176,6 +176,21 @@ def test_logit_statistics_see_the_sliding_window(name):
     assert [m["window"] for m in kept] == WINDOWED[name] and 5 in WINDOWED[name]  # a window that cuts: teeth
 
 
+def test_the_window_is_the_masks():
+    """A layer names a sliding window in its attention call; where it is shorter than the keys, the window
+    used is the mask's, read once per layer (the mask is what the softmax sees: a model whose call named
+    a window its mask does not apply would otherwise get banded logits). No window named, or one at least
+    as long as the keys: None, and the device is not read (a meta tensor cannot be)."""
+    rec = P._Recorder({}, {})
+    causal = torch.arange(1, 17).expand(2, 16)  # keys each query sees under a plain causal mask
+    assert P._window(rec, 0, 5, causal, 16) is None and rec.windows == {0: None}  # named, not applied
+    assert P._window(rec, 1, 5, causal.clamp(max=5), 16) == 5 and rec.windows[1] == 5
+    assert P._window(rec, 1, 5, causal, 16) == 5  # read once per layer
+    unreadable = torch.empty(2, 16, device="meta")
+    assert P._window(rec, 2, None, unreadable, 16) is None and P._window(rec, 2, 16, unreadable, 16) is None
+    assert 2 not in rec.windows
+
+
 @torch.no_grad()
 def _projections(name: str, attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q and k of x (5, 32) through the model's own projection modules, biases removed."""
