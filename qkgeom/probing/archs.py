@@ -211,6 +211,11 @@ ARCHS = {
     "qwen2": Arch("q_proj", "linear", rotary=True),
     "mistral": Arch("q_proj", "linear", rotary=True),
     "qwen3": Arch("q_proj", "linear", rotary=True, qk_norm="head"),
+    "qwen2_moe": Arch("q_proj", "linear", rotary=True),  # the MoE models: their attention is the dense one's
+    "qwen3_moe": Arch("q_proj", "linear", rotary=True, qk_norm="head"),
+    "mixtral": Arch("q_proj", "linear", rotary=True),
+    "starcoder2": Arch("q_proj", "linear", rotary=True),
+    "granite": Arch("q_proj", "linear", rotary=True),  # scores scaled by attention_multiplier, not 1/sqrt(E)
     "olmo": Arch("q_proj", "linear", rotary=True),  # OLMo 1 (its clip_qkv clamps q, k in place: recorded clamped)
     "olmo2": Arch("q_proj", "linear", rotary=True, qk_norm="full"),
     "olmo3": Arch("q_proj", "linear", rotary=True, qk_norm="full"),

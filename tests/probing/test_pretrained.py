@@ -15,8 +15,10 @@ from transformers import (
     GPT2Config,
     GPTBigCodeConfig,
     GPTNeoXConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
     Olmo3Config,
     OlmoConfig,
@@ -24,8 +26,11 @@ from transformers import (
     OPTConfig,
     Phi3Config,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
     SmolLM3Config,
+    Starcoder2Config,
     T5Config,
 )
 
@@ -54,6 +59,29 @@ CONFIGS = {
     "olmo": OlmoConfig(num_key_value_heads=2, clip_qkv=1.5, **TOKENS, **DECODER),  # q, k clamped to [-1.5, 1.5]
     "olmo3": Olmo3Config(num_key_value_heads=2, sliding_window=5, **TOKENS, **DECODER),
     "olmoe": OlmoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, **TOKENS, **DECODER),
+    "mixtral": MixtralConfig(
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, sliding_window=5, **TOKENS, **DECODER
+    ),
+    "qwen2_moe": Qwen2MoeConfig(
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=32,
+        **TOKENS,
+        **DECODER,
+    ),
+    "qwen3_moe": Qwen3MoeConfig(
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        **TOKENS,
+        **DECODER,
+    ),
+    "starcoder2": Starcoder2Config(num_key_value_heads=2, sliding_window=5, **TOKENS, **DECODER),
+    "granite": GraniteConfig(num_key_value_heads=2, attention_multiplier=0.25, **TOKENS, **DECODER),
     "smollm3": SmolLM3Config(num_key_value_heads=2, no_rope_layers=[1, 0], **TOKENS, **DECODER),  # layer 1: NoPE
     # logit softcap, query_pre_attn_scalar; layer 0 slides (window 5), layer 1 sees every earlier key
     "gemma2": Gemma2Config(num_key_value_heads=2, head_dim=8, sliding_window=5, **DECODER),
@@ -70,16 +98,18 @@ CONFIGS = {
         bos_token_id=1,
         eos_token_id=2,
         **SMALL,
-    ),  # fmt: skip
+    ),
     "gpt_bigcode": GPTBigCodeConfig(
         n_layer=2, n_embd=32, n_head=4, n_positions=64, multi_query=True, bos_token_id=1, eos_token_id=2, **SMALL
     ),
 }
 KEY_HEADS = {"llama": 2, "qwen2": 1, "mistral": 2, "qwen3": 2, "olmo2": 2, "gemma2": 2, "gemma3_text": 2, "phi3": 2}
-KEY_HEADS |= {"olmo": 2, "olmo3": 2, "olmoe": 2, "smollm3": 2}
+KEY_HEADS |= {"olmo": 2, "olmo3": 2, "olmoe": 2, "smollm3": 2, "mixtral": 2, "qwen2_moe": 2, "qwen3_moe": 2}
+KEY_HEADS |= {"starcoder2": 2, "granite": 2}
 KEY_HEADS["gpt_bigcode"] = 1  # multi-query
 # each layer's sliding window
-WINDOWED = {"mistral": [5, 5], "gemma2": [5, None], "gemma3_text": [5, 5], "olmo3": [5, 5]}
+WINDOWED = {"mistral": [5, 5], "gemma2": [5, None], "gemma3_text": [5, 5], "olmo3": [5, 5], "mixtral": [5, 5]}
+WINDOWED["starcoder2"] = [5, 5]
 
 
 def visible(T: int, window: int | None) -> torch.Tensor:
