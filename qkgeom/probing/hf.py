@@ -75,15 +75,15 @@ def recording(model: nn.Module, accs: dict[str, GeometryAccumulator], keep: list
 
 
 def _window(rec: _Recorder, layer: int, named: int | None, support: Tensor, keys: int) -> int | None:
-    """The sliding window of a causal layer's mask, for its logit statistics: a sliding-window layer
-    (Mistral, Gemma, Qwen2/3, Phi-3, OLMo-3, SmolLM3) names one in its attention call; where it is shorter
-    than the keys, the mask is read for it once per layer (the mask decides, as it does for the softmax:
-    a config may name a window its mask does not apply). No window named, or one that cuts nothing: None,
-    and no read of the device."""
+    """The sliding window of a causal layer's mask, for its logit statistics: a sliding-window layer (the
+    README's table says which) names one in its attention call; where it is shorter than the keys, the
+    mask is read for it once per layer (the mask decides, as it does for the softmax: a config may name a
+    window its mask does not apply). No window named, or one that cuts nothing: None, and no read of the
+    device."""
     if named is None or named >= keys:
         return None
     if layer not in rec.windows:
-        seen = int(D.host_list(support.max().reshape(1))[0])  # the most keys any query of the batch sees
+        seen = int(D.host_float(support.max()))  # the most keys any query of the batch sees
         rec.windows[layer] = seen if seen < keys else None
     return rec.windows[layer]
 

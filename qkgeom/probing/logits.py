@@ -18,7 +18,7 @@ Tensor = torch.Tensor
 def visible_scores(q: Tensor, k: Tensor, causal: bool, window: int | None = None) -> tuple[Tensor, Tensor]:
     """Scores q.k / sqrt(d_head) (..., T, T) in float64 for float64 input, else float32, and the (T, T)
     mask of the keys each query sees: all, or keys j <= i if causal, and of those only the last `window`
-    (i - window < j, a sliding-window layer's: Mistral, Gemma, Qwen2/3, Phi-3, OLMo-3, SmolLM3)."""
+    (i - window < j: a sliding-window layer's, e.g. Mistral's or Gemma's local layers)."""
     work = torch.float64 if q.dtype == torch.float64 or k.dtype == torch.float64 else torch.float32
     scores = (q.detach().to(work) @ k.detach().to(work).transpose(-1, -2)).mul_(1.0 / math.sqrt(q.shape[-1]))
     t = scores.shape[-1]

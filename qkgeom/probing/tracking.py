@@ -209,11 +209,12 @@ class Probe:
 
         if own := sorted(set(fixed) & kwargs.keys()):
             raise ProbeError(f"qkgeom.Probe: {', '.join(own)} is set by the callback itself, not by its caller")
+        signature = inspect.signature(cls)
         try:
-            inspect.signature(cls).bind_partial(None, batch, every, **kwargs)
+            signature.bind_partial(None, batch, every, **kwargs)
         except TypeError as e:
             raise ProbeError(f"qkgeom.Probe: {e}") from None
-        defaults = {k: p.default for k, p in inspect.signature(cls).parameters.items()} | kwargs
+        defaults = {k: p.default for k, p in signature.parameters.items()} | kwargs
         _checked(every, *(defaults[k] for k in ("steps", "logit_max_seqs", "pr_convention", "alpha_convention")))
         _input_ids(batch)
 
